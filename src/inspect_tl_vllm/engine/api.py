@@ -1,0 +1,129 @@
+"""Python API for notebooks and scripts, on the same core as the Inspect provider::
+
+    engine = inspect_tl_vllm.boot("smollm2")
+    out = engine.generate(["Hello"], capture={"hooks": ["blocks.6.hook_resid_post"]},
+                          steering=[{"hook": "blocks.6.hook_resid_post", "op": "add",
+                                     "vector": "vec.safetensors", "coef": 4.0}])
+    out[0].text, out[0].activations["blocks.6.hook_resid_post"], out[0].receipt
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from inspect_tl_vllm.engine.construct import InstrumentedLLM, construct_instrumented_llm
+from inspect_tl_vllm.engine.frontend import CaptureResult, PreparedRequest, max_input_position
+from inspect_tl_vllm.specs import Capture, Intervention, RequestSpec, parse_request_spec
+
+Prompt = str | list[dict[str, str]]
+
+
+@dataclass
+class Generation:
+    """One prompt's result: text, tokens, and what the instrumentation did and saw."""
+
+    text: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str | None
+    receipt: dict[str, Any] = field(default_factory=dict)
+    activations: dict[str, torch.Tensor] = field(default_factory=dict)
+    positions: dict[str, list[int]] = field(default_factory=dict)
+
+
+def cpu_defaults(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Engine settings that make vLLM's CPU build practical (a small KV cache), unless given."""
+    if torch.cuda.is_available():
+        return engine_kwargs
+    return {"kv_cache_memory_bytes": 256 << 20, **engine_kwargs}
+
+
+class Engine:
+    """Offline instrumented engine: batches all prompts of a call into one vLLM run."""
+
+    def __init__(self, core: InstrumentedLLM) -> None:
+        self.core = core
+        self.llm = core.engine
+        self.tokenizer = self.llm.get_tokenizer()
+
+    @property
+    def hidden_size(self) -> int:
+        return self.core.instrumentation.hidden_size
+
+    def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt)["input_ids"])
+        return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
+                                                       return_dict=False))
+
+    def generate(
+        self,
+        prompts: list[Prompt] | Prompt,
+        *,
+        steering: list[Intervention | dict[str, Any]] | None = None,
+        capture: Capture | dict[str, Any] | None = None,
+        specs: list[RequestSpec | dict[str, Any] | None] | None = None,
+        max_tokens: int = 16,
+        temperature: float = 0.0,
+        strict: bool = True,
+        **sampling: Any,
+    ) -> list[Generation]:
+        """Generate for every prompt; ``specs`` gives each prompt its own spec (else one for all)."""
+        from vllm import SamplingParams
+
+        prompts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)) else prompts
+        shared = parse_request_spec({"interventions": steering or [], "capture": capture}, "generate()")
+        per_prompt = specs if specs is not None else [shared] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"specs: {len(per_prompt)} specs for {len(prompts)} prompts")
+        front = self.core.instrumentation
+        token_lists = [self.tokenize(p) for p in prompts]
+        prepared: list[PreparedRequest | None] = []
+        for i, (tokens, raw) in enumerate(zip(token_lists, per_prompt, strict=True)):
+            spec = None if raw is None else parse_request_spec(raw, f"prompt {i}")
+            prepared.append(front.prepare(spec, prompt_len=len(tokens), max_tokens=max_tokens, where=f"prompt {i}"))
+        blob = front.pending_upload(prepared)
+        if blob is not None:
+            self.llm.collective_rpc("tlvllm_put_vectors", args=(blob,))
+        inputs, params = [], []
+        for tokens, request in zip(token_lists, prepared, strict=True):
+            prompt: dict[str, Any] = {"prompt_token_ids": tokens}
+            extra = None
+            if request is not None:
+                extra = {"tlvllm": request.wire}
+                if request.cache_salt:
+                    prompt["cache_salt"] = request.cache_salt
+            params.append(SamplingParams(
+                max_tokens=max_tokens, temperature=temperature, extra_args=extra,
+                skip_reading_prefix_cache=bool(request and request.skip_prefix_cache) or None, **sampling,
+            ))
+            inputs.append(prompt)
+        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        wanted = [
+            [r.uid, max_input_position(len(o.prompt_token_ids), len(o.outputs[0].token_ids))]
+            for o, r in zip(outputs, prepared, strict=True) if r is not None
+        ]
+        fetched = iter(self.llm.collective_rpc("tlvllm_fetch", args=(wanted,))[0] if wanted else [])
+        results = []
+        for i, (out, request) in enumerate(zip(outputs, prepared, strict=True)):
+            completion = out.outputs[0]
+            gen = Generation(completion.text, list(out.prompt_token_ids), list(completion.token_ids),
+                             completion.finish_reason)
+            if request is not None:
+                result: CaptureResult = front.decode(next(fetched), f"prompt {i}")
+                if strict:
+                    result.check(f"prompt {i}")
+                gen.receipt, gen.activations, gen.positions = result.receipt, result.activations, result.positions
+            results.append(gen)
+        return results
+
+    def status(self) -> dict[str, Any]:
+        return self.llm.collective_rpc("tlvllm_status")[0]
+
+
+def boot(model: str = "smollm2", *, instrument: Any = None, **engine_kwargs: Any) -> Engine:
+    """Boot an offline instrumented engine (CPU-friendly defaults when there is no GPU)."""
+    return Engine(construct_instrumented_llm(model, instrument=instrument, **cpu_defaults(engine_kwargs)))

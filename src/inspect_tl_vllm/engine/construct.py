@@ -1,0 +1,99 @@
+"""``construct_instrumented_llm``: the one place an instrumented vLLM engine is built.
+
+It owns everything capture correctness depends on: the instrumentation settings inside
+vLLM's config (``additional_config``), the worker extension, the settings that would break
+the per-token bookkeeping (refused by name), and the front-end hook table that must match
+the workers'.  The Python API and the Inspect provider both call it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from inspect_tl_vllm.aliases import resolve_model
+from inspect_tl_vllm.engine.config import CONFIG_KEY, additional_config
+from inspect_tl_vllm.engine.frontend import Instrumentation
+from inspect_tl_vllm.specs import InstrumentConfig, SpecError
+
+EXTENSION = "inspect_tl_vllm.engine.worker.TLWorkerExtension"
+
+REFUSED = {
+    "speculative_config": "speculative decoding runs draft tokens and a second model through the step",
+    "enable_dbo": "dual-batch overlap splits each step into micro-batches with their own token order",
+    "ubatch_size": "micro-batching splits each step with its own token order",
+    "kv_sharing_fast_prefill": "fast prefill skips rows of some layers, so captures would come back short",
+    "worker_extension_cls": "tl-vllm installs its own worker extension",
+}
+
+
+@dataclass
+class InstrumentedLLM:
+    """An instrumented engine (``vllm.LLM`` or ``AsyncLLM``) with its front-end hook table."""
+
+    engine: Any
+    instrumentation: Instrumentation
+    model_path: str
+    is_async: bool
+
+
+def check_engine_args(engine_kwargs: dict[str, Any]) -> None:
+    """Refuse, by name, engine settings under which captures or steering would be wrong."""
+    for name, why in REFUSED.items():
+        value = engine_kwargs.get(name)
+        if value and not (name == "ubatch_size" and value == 1):
+            raise SpecError(f"engine argument {name}={value!r} is not supported with instrumentation: {why}")
+    extra = engine_kwargs.get("additional_config") or {}
+    if CONFIG_KEY in extra:
+        raise SpecError(f"additional_config[{CONFIG_KEY!r}] is set by tl-vllm; pass InstrumentConfig instead")
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):
+        raise SpecError("VLLM_USE_V2_MODEL_RUNNER=1 is not supported: tl-vllm instruments vLLM's V1 model runner")
+    plugins = os.environ.get("VLLM_PLUGINS")
+    if plugins is not None and "inspect_tl_vllm" not in plugins.split(","):
+        raise SpecError(f"VLLM_PLUGINS={plugins!r} excludes 'inspect_tl_vllm', so workers would not be instrumented")
+
+
+def load_hf_config(model_path: str) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(model_path)
+    except (OSError, ValueError) as err:
+        raise SpecError(
+            f"unknown model {model_path!r}: not an alias (see `tl-vllm models`), a local model directory, "
+            f"or a Hugging Face id available offline ({type(err).__name__}: {str(err).splitlines()[0]})"
+        ) from None
+
+
+def construct_instrumented_llm(
+    model: str,
+    *,
+    instrument: InstrumentConfig | dict[str, Any] | None = None,
+    async_engine: bool = False,
+    **engine_kwargs: Any,
+) -> InstrumentedLLM:
+    """Build an instrumented vLLM engine.
+
+    ``model`` is an alias (``smollm2``), a local directory or a Hugging Face id;
+    ``instrument`` fixes which hook points exist and the buffer sizes; the remaining keyword
+    arguments go to vLLM's ``EngineArgs`` (the ones listed in ``REFUSED`` are refused).
+    With ``async_engine=True`` the engine is an ``AsyncLLM`` (bound to the running loop's
+    thread), otherwise an offline ``vllm.LLM``.
+    """
+    settings = instrument if isinstance(instrument, InstrumentConfig) else InstrumentConfig(**(instrument or {}))
+    check_engine_args(engine_kwargs)
+    model_path = resolve_model(model)
+    instrumentation = Instrumentation(load_hf_config(model_path), settings)
+    extra = {**(engine_kwargs.pop("additional_config", None) or {}), **additional_config(settings)}
+    kwargs = {"model": model_path, "additional_config": extra, "worker_extension_cls": EXTENSION, **engine_kwargs}
+    if async_engine:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        engine = AsyncLLM.from_engine_args(AsyncEngineArgs(**kwargs))
+    else:
+        from vllm import LLM
+
+        engine = LLM(**kwargs)
+    return InstrumentedLLM(engine, instrumentation, model_path, async_engine)

@@ -1,0 +1,171 @@
+"""Front-end half of the capture contract: turn specs into per-request wire data, and
+wire data back into results.  Shared by the offline API and the Inspect provider.
+
+A request's spec becomes ``SamplingParams.extra_args["tlvllm"]`` (hook points resolved to
+site numbers, vectors replaced by content hashes after upload), a ``cache_salt`` that keeps
+its prefix-cache entries apart from differently steered requests, and
+``skip_reading_prefix_cache`` when it captures (cached prompt rows would never be computed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, layout_for
+from inspect_tl_vllm.instrument.vectors import load_vector, vector_hash
+from inspect_tl_vllm.specs import InstrumentConfig, RequestSpec, SpecError
+
+
+class SteeringNotApplied(RuntimeError):
+    """A requested intervention touched no token row, or the worker refused the request."""
+
+
+@dataclass
+class PreparedRequest:
+    uid: str
+    wire: dict[str, Any]
+    vectors: dict[str, torch.Tensor]
+    cache_salt: str | None
+    skip_prefix_cache: bool
+    spec: RequestSpec
+
+
+@dataclass
+class CaptureResult:
+    """What came back for one request: activations per hook point, positions, receipt."""
+
+    receipt: dict[str, Any]
+    activations: dict[str, torch.Tensor] = field(default_factory=dict)
+    positions: dict[str, list[int]] = field(default_factory=dict)
+
+    def check(self, where: str = "request") -> None:
+        """Raise unless every requested intervention touched at least one row."""
+        if self.receipt.get("error"):
+            raise SteeringNotApplied(f"{where}: {self.receipt['error']}")
+        for item in self.receipt.get("interventions", []):
+            if item["rows"] == 0:
+                raise SteeringNotApplied(
+                    f"{where}: intervention {item['label']} touched no token row (check its positions); "
+                    "refusing to report an unsteered answer as steered"
+                )
+            if not item["fired"]:
+                raise SteeringNotApplied(f"{where}: the hook of intervention {item['label']} never ran")
+
+
+class Instrumentation:
+    """The engine's hook table as the front end sees it, plus the uploaded-vector index."""
+
+    def __init__(self, hf_config: Any, settings: InstrumentConfig) -> None:
+        architecture = (getattr(hf_config, "architectures", None) or ["?"])[0]
+        text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
+        self.architecture = architecture
+        self.settings = settings
+        self.num_layers = int(text_config.num_hidden_layers)
+        self.hidden_size = int(text_config.hidden_size)
+        self.sites: dict[str, Site] = build_sites(layout_for(architecture), self.num_layers, settings.hook_points)
+        self.uploaded: set[str] = set()
+
+    def site(self, hook: str, where: str) -> Site:
+        from inspect_tl_vllm.instrument.hookpoints import canonical_hook_point
+
+        canonical_hook_point(hook, self.num_layers)  # precise error for layers out of range
+        site = self.sites.get(hook)
+        if site is None:
+            raise SpecError(
+                f"{where}: hook point {hook!r} is not instrumented in this engine "
+                f"(hook_points={self.settings.hook_points}); boot with it listed, or hook_points=['all']"
+            )
+        return site
+
+    def prepare(
+        self, spec: RequestSpec | None, *, prompt_len: int, max_tokens: int, where: str = "request"
+    ) -> PreparedRequest | None:
+        if spec is None or spec.empty:
+            return None
+        uid = uuid.uuid4().hex
+        vectors: dict[str, torch.Tensor] = {}
+        steer = []
+        stages: dict[int, int] = {}
+        for i, item in enumerate(spec.interventions):
+            label = f"interventions[{i}] {item.op} at {item.hook}"
+            site = self.site(item.hook, f"{where}: interventions[{i}].hook")
+            stage = stages.get(site.index, 0)
+            if stage >= self.settings.max_stack:
+                raise SpecError(
+                    f"{where}: interventions[{i}]: more than max_stack={self.settings.max_stack} interventions at "
+                    f"{site.name}; boot with a larger InstrumentConfig.max_stack"
+                )
+            stages[site.index] = stage + 1
+            key = None
+            if item.vector is not None:
+                vector = load_vector(item.vector, self.hidden_size, where=f"{where}: interventions[{i}].vector")
+                if item.op == "ablate":
+                    norm = vector.norm()
+                    if norm == 0:
+                        raise SpecError(f"{where}: interventions[{i}].vector: cannot ablate a zero direction")
+                    vector = vector / norm
+                key = vector_hash(vector)
+                vectors[key] = vector
+            steer.append(
+                {"label": label, "site": site.index, "stage": stage, "op": item.op, "coef": item.coef,
+                 "vector": key, "positions": item.positions}
+            )
+        capture = None
+        if spec.capture is not None:
+            hooks = [[h, self.site(h, f"{where}: capture.hooks").index] for h in spec.capture.hooks]
+            if spec.capture.reduce == "none":
+                need = (prompt_len + max_tokens) * self.hidden_size * 4 * len(hooks)
+                if need > self.settings.capture_bytes_per_request:
+                    raise SpecError(
+                        f"{where}: capture of {len(hooks)} hook points over up to {prompt_len + max_tokens} tokens "
+                        f"needs up to {need} bytes, over capture_bytes_per_request="
+                        f"{self.settings.capture_bytes_per_request}; capture fewer positions or hooks, reduce "
+                        "per sample, or raise the limit"
+                    )
+            capture = {
+                "hooks": hooks,
+                "positions": spec.capture.positions,
+                "reduce": spec.capture.reduce,
+                "dtype": spec.capture.dtype,
+                "max_bytes": self.settings.capture_bytes_per_request,
+            }
+        wire = {"uid": uid, "steer": steer, "capture": capture}
+        salt = None
+        if steer:
+            salt = hashlib.sha256(json.dumps(steer, sort_keys=True).encode()).hexdigest()[:24]
+        return PreparedRequest(uid, wire, vectors, salt, capture is not None, spec)
+
+    def pending_upload(self, requests: list[PreparedRequest | None]) -> bytes | None:
+        """Safetensors blob of vectors the worker has not seen yet (None if none)."""
+        from safetensors.torch import save
+
+        fresh: dict[str, torch.Tensor] = {}
+        for request in requests:
+            if request is not None:
+                fresh.update({k: v for k, v in request.vectors.items() if k not in self.uploaded})
+        if not fresh:
+            return None
+        self.uploaded.update(fresh)
+        return save(fresh)
+
+    @staticmethod
+    def decode(payload: dict[str, Any] | None, where: str = "request") -> CaptureResult:
+        if payload is None:
+            raise SteeringNotApplied(f"{where}: the worker has no record of this request (was the engine restarted?)")
+        activations: dict[str, torch.Tensor] = {}
+        if payload["tensors"]:
+            from safetensors.torch import load
+
+            activations = load(payload["tensors"])
+        return CaptureResult(payload["receipt"], activations, payload.get("positions", {}))
+
+
+def max_input_position(prompt_len: int, num_generated: int) -> int:
+    """The last position that was an *input* token: the final generated token never is."""
+    return prompt_len + max(num_generated, 1) - 2

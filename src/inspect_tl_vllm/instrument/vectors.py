@@ -1,0 +1,73 @@
+"""Loading and checking steering vectors; never unpickles user files.
+
+Accepted: inline lists, ``.safetensors`` (``path`` with one tensor, or ``path:key``),
+``.npy`` (``allow_pickle=False``) and ``.pt`` via ``torch.load(weights_only=True)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from inspect_tl_vllm.specs import SpecError
+
+
+def load_vector(ref: list[float] | str, width: int, *, where: str = "vector") -> torch.Tensor:
+    """A 1-D float32 vector of ``width`` finite entries, or a SpecError naming ``where``."""
+    vector = torch.tensor(ref, dtype=torch.float32) if isinstance(ref, list) else _from_file(ref, where)
+    vector = vector.squeeze()
+    if vector.ndim != 1:
+        raise SpecError(f"{where}: expected a 1-D vector, got shape {tuple(vector.shape)}")
+    if vector.numel() != width:
+        raise SpecError(
+            f"{where}: vector has {vector.numel()} entries but the model's hidden size is {width}; "
+            "was it extracted from another model?"
+        )
+    if not torch.isfinite(vector).all():
+        raise SpecError(f"{where}: vector contains NaN or inf")
+    return vector.to(torch.float32).contiguous()
+
+
+def _from_file(ref: str, where: str) -> torch.Tensor:
+    path_text, _, key = ref.partition(":") if ref.count(":") == 1 and not Path(ref).exists() else (ref, "", "")
+    path = Path(path_text).expanduser()
+    if not path.is_file():
+        raise SpecError(f"{where}: vector file {str(path)!r} not found")
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".safetensors":
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(path))
+            return _pick(tensors, key, path, where)
+        if suffix == ".npy":
+            return torch.from_numpy(np.load(path, allow_pickle=False)).float()
+        if suffix in (".pt", ".pth"):
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            if isinstance(loaded, dict):
+                return _pick(loaded, key, path, where)
+            if not isinstance(loaded, torch.Tensor):
+                raise SpecError(f"{where}: {path} holds a {type(loaded).__name__}, not a tensor")
+            return loaded.float()
+    except SpecError:
+        raise
+    except Exception as err:  # corrupt files raise many types
+        raise SpecError(f"{where}: cannot read {path}: {type(err).__name__}: {err}") from err
+    raise SpecError(f"{where}: unsupported vector file type {suffix!r}; use .safetensors, .npy or .pt")
+
+
+def _pick(tensors: dict[str, torch.Tensor], key: str, path: Path, where: str) -> torch.Tensor:
+    if key:
+        if key not in tensors:
+            raise SpecError(f"{where}: {path} has no tensor {key!r}; it has {sorted(tensors)}")
+        return tensors[key].float()
+    if len(tensors) != 1:
+        raise SpecError(f"{where}: {path} holds {len(tensors)} tensors {sorted(tensors)}; name one as 'path:key'")
+    return next(iter(tensors.values())).float()
+
+
+def vector_hash(vector: torch.Tensor) -> str:
+    return "sha256:" + hashlib.sha256(vector.numpy().tobytes()).hexdigest()[:32]
