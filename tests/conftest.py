@@ -1,0 +1,100 @@
+"""Shared fixtures: the real vLLM CPU engine on a tiny random Llama and on SmolLM2.
+
+Engine tests must not pass quietly where vLLM or the model is missing: under ``CI=true``
+a missing prerequisite fails the test instead of skipping it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+IN_CI = os.environ.get("CI", "").lower() == "true"
+TINY = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "max_position_embeddings": 512,
+}
+
+
+def require(condition: bool, why: str) -> None:
+    if not condition:
+        (pytest.fail if IN_CI else pytest.skip)(why)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    from inspect_tl_vllm.model_prep import is_prepared, smollm2_dir
+
+    require(is_prepared(smollm2_dir()), "SmolLM2 not prepared: run scripts/setup.sh")
+    return smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def vllm_ready() -> None:
+    try:
+        import vllm  # noqa: F401
+    except ImportError as err:
+        require(False, f"vLLM is not installed ({err}): run scripts/setup.sh")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A random-weight Llama (3 layers, width 64, head_dim 32) with SmolLM2's tokenizer."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(vocab_size=49152, tie_word_embeddings=False, **TINY)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():  # larger weights than the default init, so steering moves tokens
+        for param in model.parameters():
+            if param.ndim == 2:
+                param.normal_(0.0, 0.08)
+    model.save_pretrained(str(path))
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_dir / name, path / name)
+    return path
+
+
+@contextlib.contextmanager
+def environment(**values: str | None) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def boot_engine(model: Path | str, *, compiled: bool = False, **kwargs: object):
+    from inspect_tl_vllm import boot
+
+    settings = {"dtype": "float32", "max_model_len": 256, "seed": 0, "enforce_eager": not compiled, **kwargs}
+    # Eager engines also skip the sampler's own torch.compile (17 s of C++ builds on CPU).
+    with environment(TORCH_COMPILE_DISABLE=None if compiled else "1"):
+        return boot(str(model), **settings)
+
+
+@pytest.fixture(scope="session")
+def tiny_engine(vllm_ready: None, tiny_llama_dir: Path):
+    """Eager fp32 engine on the tiny model with every hook point instrumented."""
+    return boot_engine(tiny_llama_dir, instrument={"hook_points": ["all"], "max_stack": 2})

@@ -1,0 +1,140 @@
+"""The instrumented engine on vLLM's CPU build: fidelity against transformers, steering,
+isolation inside one continuous batch, position scopes and receipts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_reference import hf_activations, hf_greedy, load_hf
+
+pytestmark = pytest.mark.engine
+PROMPTS = ["The quick brown fox jumps over", "Once upon a time", "In a hole in the ground there lived", "1 2 3 4"]
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def test_batch_generation_is_deterministic_with_expected_shapes(tiny_engine):
+    first = tiny_engine.generate(PROMPTS, max_tokens=6)
+    again = tiny_engine.generate(PROMPTS, max_tokens=6)
+    assert [g.token_ids for g in first] == [g.token_ids for g in again]
+    assert all(len(g.token_ids) == 6 for g in first)
+    assert all(g.receipt == {} and g.activations == {} for g in first)
+
+
+def test_captures_equal_transformers_at_every_hook_point(tiny_engine, tiny_llama_dir):
+    hf = load_hf(tiny_llama_dir)
+    hooks = [name for name in tiny_engine.core.instrumentation.sites]
+    out = tiny_engine.generate(PROMPTS[0], max_tokens=5, capture={"hooks": hooks})[0]
+    sequence = out.prompt_token_ids + out.token_ids[:-1]  # every token that was an input
+    reference = hf_activations(hf, sequence)
+    assert set(out.activations) == set(hooks)
+    worst = 0.0
+    for hook in hooks:
+        got = out.activations[hook]
+        assert out.positions[hook] == list(range(len(sequence))), hook
+        assert got.shape == reference[hook].shape, hook
+        worst = max(worst, rel_err(got, reference[hook]))
+    assert worst < 1e-4, f"worst relative error {worst}"
+
+
+@pytest.mark.parametrize(
+    ("op", "coef", "edit"),
+    [
+        ("add", 6.0, lambda h, v: h + 6.0 * v),
+        ("scale", 0.25, lambda h, v: h * 0.25),
+        ("ablate", 1.0, lambda h, v: h - (h @ (v / v.norm()))[..., None] * (v / v.norm())),
+        ("set", 3.0, lambda h, v: (3.0 * v).expand_as(h)),
+    ],
+)
+def test_steering_equals_transformers_forward_hook(tiny_engine, tiny_llama_dir, op, coef, edit):
+    hf = load_hf(tiny_llama_dir)
+    torch.manual_seed(1)
+    vector = torch.randn(64)
+    prompt = tiny_engine.tokenize(PROMPTS[1])
+    spec = {"hook": "blocks.1.hook_resid_post", "op": op, "coef": coef}
+    if op != "scale":
+        spec["vector"] = vector.tolist()
+    steered = tiny_engine.generate(PROMPTS[1], max_tokens=16, steering=[spec])[0]
+    plain = tiny_engine.generate(PROMPTS[1], max_tokens=16)[0]
+    expected = hf_greedy(hf, prompt, 16, edit=lambda h: edit(h, vector), layer=1)
+    assert steered.token_ids == expected
+    assert plain.token_ids == hf_greedy(hf, prompt, 16)
+    assert steered.token_ids != plain.token_ids, "steering had no visible effect; the test proves nothing"
+    receipt = steered.receipt["interventions"][0]
+    assert receipt["rows"] == len(prompt) + 15 and receipt["fired"]
+
+
+def test_mixed_batch_gives_each_request_its_solo_result(tiny_engine):
+    torch.manual_seed(2)
+    v1, v2 = torch.randn(64).tolist(), torch.randn(64).tolist()
+    capture = {"hooks": ["blocks.2.hook_resid_post", "blocks.0.hook_mlp_out"]}
+    specs = [
+        {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": v1, "coef": 5.0}], "capture": capture},
+        {"interventions": [{"hook": "blocks.0.hook_attn_out", "vector": v2, "coef": 5.0}], "capture": capture},
+        None,
+        {"capture": capture},
+        {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": v2, "coef": -4.0},
+                           {"hook": "blocks.1.hook_resid_post", "op": "scale", "coef": 0.5}]},
+    ]
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0]]
+    before = tiny_engine.status()["max_requests_steered_in_one_step"]
+    together = tiny_engine.generate(prompts, specs=specs, max_tokens=8)
+    assert tiny_engine.status()["max_requests_steered_in_one_step"] >= 3
+    del before
+    for prompt, spec, joint in zip(prompts, specs, together, strict=True):
+        alone = tiny_engine.generate([prompt], specs=[spec], max_tokens=8)[0]
+        assert joint.token_ids == alone.token_ids
+        assert set(joint.activations) == set(alone.activations)
+        for hook, value in alone.activations.items():
+            assert rel_err(joint.activations[hook], value) < 1e-5
+    assert together[0].token_ids != together[4].token_ids
+
+
+def test_position_scopes_touch_exactly_the_rows_asked_for(tiny_engine):
+    vector = [0.1] * 64
+    prompt_len = len(tiny_engine.tokenize(PROMPTS[2]))
+    scopes = {"prompt": prompt_len, "generated": 5, "all": prompt_len + 5, "[-1, 0]": 2}
+    for scope, rows in scopes.items():
+        positions = [-1, 0] if scope == "[-1, 0]" else scope
+        out = tiny_engine.generate(
+            PROMPTS[2], max_tokens=6,
+            steering=[{"hook": "blocks.0.hook_resid_pre", "vector": vector, "positions": positions}],
+            capture={"hooks": ["blocks.0.hook_resid_pre"], "positions": positions},
+        )[0]
+        assert out.receipt["interventions"][0]["rows"] == rows, scope
+        assert len(out.positions["blocks.0.hook_resid_pre"]) == rows, scope
+
+
+def test_reductions_match_per_token_rows(tiny_engine):
+    hook = "blocks.1.hook_resid_mid"
+    rows = tiny_engine.generate(PROMPTS[0], max_tokens=4, capture={"hooks": [hook]})[0].activations[hook]
+    norms = rows.norm(dim=-1)
+    expected = {"mean": rows.mean(0), "last": rows[-1], "max_norm": rows[norms.argmax()]}
+    for reduce, want in expected.items():
+        got = tiny_engine.generate(PROMPTS[0], max_tokens=4, capture={"hooks": [hook], "reduce": reduce})[0]
+        assert got.activations[hook].shape == (1, 64)
+        assert rel_err(got.activations[hook][0], want) < 1e-5, reduce
+    bf16 = tiny_engine.generate(PROMPTS[0], max_tokens=4, capture={"hooks": [hook], "dtype": "bfloat16"})[0]
+    assert bf16.activations[hook].dtype == torch.bfloat16
+
+
+def test_steering_that_touches_no_row_is_an_error(tiny_engine):
+    from inspect_tl_vllm.engine.frontend import SteeringNotApplied
+
+    with pytest.raises(SteeringNotApplied, match="touched no token row"):
+        tiny_engine.generate(PROMPTS[3], max_tokens=2,
+                             steering=[{"hook": "blocks.0.hook_resid_pre", "vector": [1.0] * 64, "positions": [200]}])
+
+
+def test_prefix_cache_never_leaks_steering_into_a_later_plain_request(tiny_engine):
+    long_prompt = " ".join(["word"] * 60)
+    plain_first = tiny_engine.generate(long_prompt, max_tokens=6)[0]
+    tiny_engine.generate(long_prompt, max_tokens=6,
+                         steering=[{"hook": "blocks.1.hook_resid_post", "vector": [0.5] * 64, "coef": 8.0}])
+    plain_after = tiny_engine.generate(long_prompt, max_tokens=6)[0]
+    assert plain_after.token_ids == plain_first.token_ids
+    captured = tiny_engine.generate(long_prompt, max_tokens=2, capture={"hooks": ["blocks.2.hook_resid_post"]})[0]
+    assert len(captured.positions["blocks.2.hook_resid_post"]) == len(captured.prompt_token_ids) + 1
