@@ -1,0 +1,143 @@
+"""GPU correctness check (CUDA graphs and async scheduling on), run on a CUDA machine:
+
+    python bench/gpu_check.py [--model smollm2] [--requests 64] [--out results.json]
+
+1. The compiled engine really runs with torch.compile, CUDA graphs and async scheduling.
+2. Every hook fires under CUDA graph replay (fired counters advance each step).
+3. Captures of the compiled engine equal the eager engine's (bf16 tolerance) and equal
+   transformers on the same weights; steered greedy tokens equal eager steered tokens.
+4. N concurrent requests with distinct vectors and captures each equal their run alone.
+Prints a JSON summary and exits non-zero if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+HOOKS = ["blocks.0.hook_resid_pre", "blocks.10.hook_resid_post", "blocks.20.hook_resid_mid",
+         "blocks.25.hook_mlp_out", "ln_final.hook_normalized"]
+QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?",
+             "Who wrote Hamlet?", "Give me a word that rhymes with cat.", "What is the boiling point of water?"]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
+
+
+def chat(q: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": q}]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import inspect_tl_vllm
+    from inspect_tl_vllm.aliases import resolve_model
+
+    summary: dict = {"device": torch.cuda.get_device_name(0), "model": args.model}
+    failures: list[str] = []
+    instrument = {"hook_points": ["all"]}
+    t0 = time.time()
+    compiled = inspect_tl_vllm.boot(args.model, instrument=instrument, gpu_memory_utilization=0.3,
+                                    max_model_len=1024, dtype="bfloat16")
+    summary["boot_compiled_s"] = round(time.time() - t0, 1)
+    config = compiled.llm.llm_engine.vllm_config
+    summary["async_scheduling"] = bool(config.scheduler_config.async_scheduling)
+    summary["cudagraph_mode"] = str(config.compilation_config.cudagraph_mode)
+    summary["compilation_mode"] = str(config.compilation_config.mode)
+    if not summary["async_scheduling"] or "NONE" in summary["cudagraph_mode"]:
+        failures.append("compiled engine is not running with async scheduling and CUDA graphs")
+
+    torch.manual_seed(0)
+    width = compiled.hidden_size
+    vector = (torch.randn(width) * 4).tolist()
+    specs = [
+        {"interventions": [{"hook": "blocks.10.hook_resid_post", "vector": vector, "coef": 2.0}],
+         "capture": {"hooks": HOOKS}},
+        {"capture": {"hooks": HOOKS}},
+        {"interventions": [{"hook": "blocks.5.hook_attn_out", "vector": vector, "op": "ablate"}],
+         "capture": {"hooks": HOOKS, "reduce": "mean"}},
+    ]
+    prompts = [chat(q) for q in QUESTIONS[:3]]
+    fired_before = compiled.status()["fired"]
+    got_c = compiled.generate(prompts, specs=specs, max_tokens=24)
+    fired_after = compiled.status()["fired"]
+    steps = min(a - b for a, b in zip(fired_after, fired_before, strict=True))
+    summary["min_fired_increase_over_generation"] = steps
+    if steps < 20:
+        failures.append(f"some hook ran only {steps} times during 24 decode steps under CUDA graphs")
+
+    t0 = time.time()
+    eager = inspect_tl_vllm.boot(args.model, instrument=instrument, gpu_memory_utilization=0.3,
+                                 max_model_len=1024, dtype="bfloat16", enforce_eager=True)
+    summary["boot_eager_s"] = round(time.time() - t0, 1)
+    got_e = eager.generate(prompts, specs=specs, max_tokens=24)
+    worst = 0.0
+    for c, e in zip(got_c, got_e, strict=True):
+        for hook, value in e.activations.items():
+            n = min(len(value), len(c.activations[hook]), len(c.prompt_token_ids))
+            worst = max(worst, rel(c.activations[hook][:n], value[:n]))
+    summary["compiled_vs_eager_prompt_capture_max_rel_err"] = worst
+    summary["compiled_vs_eager_tokens_equal"] = [c.token_ids == e.token_ids for c, e in zip(got_c, got_e, strict=True)]
+    summary["steered_text"] = got_c[0].text
+    if worst > 2e-2:
+        failures.append(f"compiled captures differ from eager: {worst}")
+    if not summary["compiled_vs_eager_tokens_equal"][0]:
+        failures.append("steered greedy tokens differ between compiled and eager")
+
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=torch.bfloat16).cuda().eval()
+    seq = got_c[1].prompt_token_ids + got_c[1].token_ids[:-1]
+    acts: dict[str, torch.Tensor] = {}
+    handle = hf.model.layers[10].register_forward_hook(lambda m, a, o: acts.__setitem__("r10", (o[0] if isinstance(o, tuple) else o)[0]))
+    with torch.no_grad():
+        hf(torch.tensor([seq], device="cuda"))
+    handle.remove()
+    summary["hf_vs_compiled_resid_post10_rel_err"] = rel(got_c[1].activations["blocks.10.hook_resid_post"],
+                                                          acts["r10"].cpu())
+    if summary["hf_vs_compiled_resid_post10_rel_err"] > 2e-2:
+        failures.append("compiled captures differ from transformers beyond bf16 tolerance")
+    del hf
+
+    n = args.requests
+    vectors = [(torch.randn(width) * 3).tolist() for _ in range(n)]
+    many = [{"interventions": [{"hook": f"blocks.{i % 30}.hook_resid_post", "vector": vectors[i], "coef": 1.5}],
+             "capture": {"hooks": ["blocks.12.hook_resid_post"], "reduce": "last"}} for i in range(n)]
+    many_prompts = [chat(QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
+    t0 = time.time()
+    together = compiled.generate(many_prompts, specs=many, max_tokens=16)
+    summary["concurrent_s"] = round(time.time() - t0, 2)
+    summary["max_requests_steered_in_one_step"] = compiled.status()["max_requests_steered_in_one_step"]
+    same_tokens, worst_iso = 0, 0.0
+    for i in range(n):
+        alone = compiled.generate([many_prompts[i]], specs=[many[i]], max_tokens=16)[0]
+        same_tokens += alone.token_ids == together[i].token_ids
+        worst_iso = max(worst_iso, rel(together[i].activations["blocks.12.hook_resid_post"],
+                                       alone.activations["blocks.12.hook_resid_post"]))
+    summary["isolation_identical_tokens"] = f"{same_tokens}/{n}"
+    summary["isolation_last_row_max_rel_err"] = worst_iso
+    if summary["max_requests_steered_in_one_step"] < min(n, 3):
+        failures.append("the concurrent batch never carried several differently steered requests in one step")
+    if worst_iso > 5e-2 or same_tokens < 0.9 * n:
+        failures.append("concurrent requests differ from their solo runs")
+    summary["failures"] = failures
+    text = json.dumps(summary, indent=2)
+    print(text)
+    if args.out:
+        with open(args.out, "w") as handle_out:
+            handle_out.write(text)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
