@@ -19,10 +19,21 @@ import time
 
 import torch
 
-HOOKS = ["blocks.0.hook_resid_pre", "blocks.10.hook_resid_post", "blocks.20.hook_resid_mid",
-         "blocks.25.hook_mlp_out", "ln_final.hook_normalized"]
-QUESTIONS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?",
-             "Who wrote Hamlet?", "Give me a word that rhymes with cat.", "What is the boiling point of water?"]
+HOOKS = [
+    "blocks.0.hook_resid_pre",
+    "blocks.10.hook_resid_post",
+    "blocks.20.hook_resid_mid",
+    "blocks.25.hook_mlp_out",
+    "ln_final.hook_normalized",
+]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name a primary colour.",
+    "What is 2 + 2?",
+    "Who wrote Hamlet?",
+    "Give me a word that rhymes with cat.",
+    "What is the boiling point of water?",
+]
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -45,10 +56,13 @@ def main() -> int:
 
     summary: dict = {"device": torch.cuda.get_device_name(0), "model": args.model}
     failures: list[str] = []
-    instrument = {"hook_points": ["all"]}
+    instrument = {
+        "hook_points": ["blocks.*.hook_resid_pre", "blocks.*.hook_resid_post", *HOOKS, "blocks.5.hook_attn_out"]
+    }
     t0 = time.time()
-    compiled = inspect_tl_vllm.boot(args.model, instrument=instrument, gpu_memory_utilization=0.3,
-                                    max_model_len=1024, dtype="bfloat16")
+    compiled = inspect_tl_vllm.boot(
+        args.model, instrument=instrument, gpu_memory_utilization=0.3, max_model_len=1024, dtype="bfloat16"
+    )
     summary["boot_compiled_s"] = round(time.time() - t0, 1)
     config = compiled.llm.llm_engine.vllm_config
     summary["async_scheduling"] = bool(config.scheduler_config.async_scheduling)
@@ -61,11 +75,15 @@ def main() -> int:
     width = compiled.hidden_size
     vector = (torch.randn(width) * 4).tolist()
     specs = [
-        {"interventions": [{"hook": "blocks.10.hook_resid_post", "vector": vector, "coef": 2.0}],
-         "capture": {"hooks": HOOKS}},
+        {
+            "interventions": [{"hook": "blocks.10.hook_resid_post", "vector": vector, "coef": 2.0}],
+            "capture": {"hooks": HOOKS},
+        },
         {"capture": {"hooks": HOOKS}},
-        {"interventions": [{"hook": "blocks.5.hook_attn_out", "vector": vector, "op": "ablate"}],
-         "capture": {"hooks": HOOKS, "reduce": "mean"}},
+        {
+            "interventions": [{"hook": "blocks.5.hook_attn_out", "vector": vector, "op": "ablate"}],
+            "capture": {"hooks": HOOKS, "reduce": "mean"},
+        },
     ]
     prompts = [chat(q) for q in QUESTIONS[:3]]
     fired_before = compiled.status()["fired"]
@@ -77,8 +95,14 @@ def main() -> int:
         failures.append(f"some hook ran only {steps} times during 24 decode steps under CUDA graphs")
 
     t0 = time.time()
-    eager = inspect_tl_vllm.boot(args.model, instrument=instrument, gpu_memory_utilization=0.3,
-                                 max_model_len=1024, dtype="bfloat16", enforce_eager=True)
+    eager = inspect_tl_vllm.boot(
+        args.model,
+        instrument=instrument,
+        gpu_memory_utilization=0.3,
+        max_model_len=1024,
+        dtype="bfloat16",
+        enforce_eager=True,
+    )
     summary["boot_eager_s"] = round(time.time() - t0, 1)
     got_e = eager.generate(prompts, specs=specs, max_tokens=24)
     worst = 0.0
@@ -99,20 +123,28 @@ def main() -> int:
     hf = AutoModelForCausalLM.from_pretrained(resolve_model(args.model), dtype=torch.bfloat16).cuda().eval()
     seq = got_c[1].prompt_token_ids + got_c[1].token_ids[:-1]
     acts: dict[str, torch.Tensor] = {}
-    handle = hf.model.layers[10].register_forward_hook(lambda m, a, o: acts.__setitem__("r10", (o[0] if isinstance(o, tuple) else o)[0]))
+    handle = hf.model.layers[10].register_forward_hook(
+        lambda m, a, o: acts.__setitem__("r10", (o[0] if isinstance(o, tuple) else o)[0])
+    )
     with torch.no_grad():
         hf(torch.tensor([seq], device="cuda"))
     handle.remove()
-    summary["hf_vs_compiled_resid_post10_rel_err"] = rel(got_c[1].activations["blocks.10.hook_resid_post"],
-                                                          acts["r10"].cpu())
+    summary["hf_vs_compiled_resid_post10_rel_err"] = rel(
+        got_c[1].activations["blocks.10.hook_resid_post"], acts["r10"].cpu()
+    )
     if summary["hf_vs_compiled_resid_post10_rel_err"] > 2e-2:
         failures.append("compiled captures differ from transformers beyond bf16 tolerance")
     del hf
 
     n = args.requests
     vectors = [(torch.randn(width) * 3).tolist() for _ in range(n)]
-    many = [{"interventions": [{"hook": f"blocks.{i % 30}.hook_resid_post", "vector": vectors[i], "coef": 1.5}],
-             "capture": {"hooks": ["blocks.12.hook_resid_post"], "reduce": "last"}} for i in range(n)]
+    many = [
+        {
+            "interventions": [{"hook": f"blocks.{i % 30}.hook_resid_post", "vector": vectors[i], "coef": 1.5}],
+            "capture": {"hooks": ["blocks.12.hook_resid_post"], "reduce": "last"},
+        }
+        for i in range(n)
+    ]
     many_prompts = [chat(QUESTIONS[i % len(QUESTIONS)]) for i in range(n)]
     t0 = time.time()
     together = compiled.generate(many_prompts, specs=many, max_tokens=16)
@@ -122,8 +154,10 @@ def main() -> int:
     for i in range(n):
         alone = compiled.generate([many_prompts[i]], specs=[many[i]], max_tokens=16)[0]
         same_tokens += alone.token_ids == together[i].token_ids
-        worst_iso = max(worst_iso, rel(together[i].activations["blocks.12.hook_resid_post"],
-                                       alone.activations["blocks.12.hook_resid_post"]))
+        worst_iso = max(
+            worst_iso,
+            rel(together[i].activations["blocks.12.hook_resid_post"], alone.activations["blocks.12.hook_resid_post"]),
+        )
     summary["isolation_identical_tokens"] = f"{same_tokens}/{n}"
     summary["isolation_last_row_max_rel_err"] = worst_iso
     if summary["max_requests_steered_in_one_step"] < min(n, 3):

@@ -46,8 +46,13 @@ def hf_activations(model, token_ids: list[int]) -> dict[str, torch.Tensor]:
     return acts
 
 
-def hf_greedy(model, token_ids: list[int], steps: int, edit: Callable[[torch.Tensor], torch.Tensor] | None = None,
-              layer: int | None = None) -> list[int]:
+def hf_greedy(
+    model,
+    token_ids: list[int],
+    steps: int,
+    edit: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    layer: int | None = None,
+) -> list[int]:
     """Greedy tokens, with ``edit`` applied to the output of decoder layer ``layer`` at every position."""
     handle = None
     if edit is not None:
@@ -60,4 +65,4 @@ def hf_greedy(model, token_ids: list[int], steps: int, edit: Callable[[torch.Ten
     finally:
         if handle is not None:
             handle.remove()
-    return out[0, len(token_ids):].tolist()
+    return out[0, len(token_ids) :].tolist()

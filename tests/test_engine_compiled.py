@@ -22,8 +22,10 @@ def test_compiled_engine_steers_and_captures_like_eager(compiled_engine, tiny_en
     torch.manual_seed(3)
     vector = torch.randn(64).tolist()
     specs = [
-        {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": vector, "coef": 6.0}],
-         "capture": {"hooks": HOOKS}},
+        {
+            "interventions": [{"hook": "blocks.1.hook_resid_post", "vector": vector, "coef": 6.0}],
+            "capture": {"hooks": HOOKS},
+        },
         {"capture": {"hooks": HOOKS}},
         {"interventions": [{"hook": "blocks.0.hook_mlp_out", "vector": vector, "op": "ablate"}]},
     ]

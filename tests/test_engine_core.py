@@ -76,8 +76,12 @@ def test_mixed_batch_gives_each_request_its_solo_result(tiny_engine):
         {"interventions": [{"hook": "blocks.0.hook_attn_out", "vector": v2, "coef": 5.0}], "capture": capture},
         None,
         {"capture": capture},
-        {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": v2, "coef": -4.0},
-                           {"hook": "blocks.1.hook_resid_post", "op": "scale", "coef": 0.5}]},
+        {
+            "interventions": [
+                {"hook": "blocks.1.hook_resid_post", "vector": v2, "coef": -4.0},
+                {"hook": "blocks.1.hook_resid_post", "op": "scale", "coef": 0.5},
+            ]
+        },
     ]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0]]
     before = tiny_engine.status()["max_requests_steered_in_one_step"]
@@ -100,7 +104,8 @@ def test_position_scopes_touch_exactly_the_rows_asked_for(tiny_engine):
     for scope, rows in scopes.items():
         positions = [-1, 0] if scope == "[-1, 0]" else scope
         out = tiny_engine.generate(
-            PROMPTS[2], max_tokens=6,
+            PROMPTS[2],
+            max_tokens=6,
             steering=[{"hook": "blocks.0.hook_resid_pre", "vector": vector, "positions": positions}],
             capture={"hooks": ["blocks.0.hook_resid_pre"], "positions": positions},
         )[0]
@@ -125,16 +130,51 @@ def test_steering_that_touches_no_row_is_an_error(tiny_engine):
     from inspect_tl_vllm.engine.frontend import SteeringNotApplied
 
     with pytest.raises(SteeringNotApplied, match="touched no token row"):
-        tiny_engine.generate(PROMPTS[3], max_tokens=2,
-                             steering=[{"hook": "blocks.0.hook_resid_pre", "vector": [1.0] * 64, "positions": [200]}])
+        tiny_engine.generate(
+            PROMPTS[3],
+            max_tokens=2,
+            steering=[{"hook": "blocks.0.hook_resid_pre", "vector": [1.0] * 64, "positions": [200]}],
+        )
 
 
 def test_prefix_cache_never_leaks_steering_into_a_later_plain_request(tiny_engine):
     long_prompt = " ".join(["word"] * 60)
     plain_first = tiny_engine.generate(long_prompt, max_tokens=6)[0]
-    tiny_engine.generate(long_prompt, max_tokens=6,
-                         steering=[{"hook": "blocks.1.hook_resid_post", "vector": [0.5] * 64, "coef": 8.0}])
+    tiny_engine.generate(
+        long_prompt, max_tokens=6, steering=[{"hook": "blocks.1.hook_resid_post", "vector": [0.5] * 64, "coef": 8.0}]
+    )
     plain_after = tiny_engine.generate(long_prompt, max_tokens=6)[0]
     assert plain_after.token_ids == plain_first.token_ids
     captured = tiny_engine.generate(long_prompt, max_tokens=2, capture={"hooks": ["blocks.2.hook_resid_post"]})[0]
     assert len(captured.positions["blocks.2.hook_resid_post"]) == len(captured.prompt_token_ids) + 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "fragment"),
+    [
+        ({"steering": [{"hook": "blocks.1.hook_resid_post", "vector": [1.0] * 63}]}, "hidden size is 64"),
+        ({"steering": [{"hook": "blocks.7.hook_resid_post", "vector": [1.0] * 64}]}, "layer 7 does not exist"),
+        ({"steering": [{"hook": "blocks.1.hook_resid_post", "vector": [1.0] * 64}] * 3}, "max_stack=2"),
+        (
+            {"capture": {"hooks": ["blocks.0.hook_resid_post"], "positions": "all"}, "max_tokens": 10**7},
+            "capture_bytes_per_request",
+        ),
+    ],
+)
+def test_bad_requests_fail_before_any_generation(tiny_engine, kwargs, fragment):
+    from inspect_tl_vllm import SpecError
+
+    pending = tiny_engine.status()["pending_results"]
+    with pytest.raises(SpecError, match=fragment):
+        tiny_engine.generate(PROMPTS[0], **{"max_tokens": 2, **kwargs})
+    assert tiny_engine.status()["pending_results"] == pending
+
+
+def test_refused_engine_settings_are_named():
+    from inspect_tl_vllm import SpecError
+    from inspect_tl_vllm.engine.construct import check_engine_args
+
+    with pytest.raises(SpecError, match="speculative_config"):
+        check_engine_args({"speculative_config": {"method": "ngram"}})
+    with pytest.raises(SpecError, match="additional_config"):
+        check_engine_args({"additional_config": {"tlvllm": {}}})

@@ -32,6 +32,13 @@ def _models(_: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from inspect_tl_vllm.demo import run
+
+    run(args.model, coef=args.coef, max_tokens=args.max_tokens, out_dir=args.out)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tl-vllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -41,6 +48,12 @@ def main(argv: list[str] | None = None) -> int:
     prep.set_defaults(func=_prepare_model)
     models = sub.add_parser("models", help="list model aliases accepted by tl-vllm/<model>")
     models.set_defaults(func=_models)
+    demo = sub.add_parser("demo", help="steered, captured generation on the default model")
+    demo.add_argument("--model", default="smollm2")
+    demo.add_argument("--coef", type=float, default=1.0)
+    demo.add_argument("--max-tokens", type=int, default=40)
+    demo.add_argument("--out", default="logs", help="directory for the captured activations")
+    demo.set_defaults(func=_demo)
     args = parser.parse_args(argv)
     return int(args.func(args))
 

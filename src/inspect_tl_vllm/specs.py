@@ -14,7 +14,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -22,7 +22,7 @@ BLOCK_HOOKS = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn
 FINAL_HOOK = "ln_final.hook_normalized"
 _BLOCK_RE = re.compile(r"^blocks\.(\d+)\.(" + "|".join(BLOCK_HOOKS) + r")$")
 
-PositionScope = Union[Literal["all", "prompt", "generated"], list[int]]
+PositionScope = Literal["all", "prompt", "generated"] | list[int]
 """Which token rows an intervention or capture covers: a named scope or explicit indices."""
 
 TAG = "tlvllm"
@@ -168,7 +168,7 @@ class RequestSpec(BaseModel):
         )
 
 
-DEFAULT_HOOK_POINTS = ("blocks.*.hook_resid_pre", "blocks.*.hook_resid_post")
+DEFAULT_HOOK_POINTS = ("blocks.*.hook_resid_pre", "blocks.*.hook_resid_post", FINAL_HOOK)
 
 
 class InstrumentConfig(BaseModel):

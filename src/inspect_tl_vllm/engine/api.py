@@ -1,10 +1,10 @@
 """Python API for notebooks and scripts, on the same core as the Inspect provider::
 
-    engine = inspect_tl_vllm.boot("smollm2")
-    out = engine.generate(["Hello"], capture={"hooks": ["blocks.6.hook_resid_post"]},
-                          steering=[{"hook": "blocks.6.hook_resid_post", "op": "add",
-                                     "vector": "vec.safetensors", "coef": 4.0}])
-    out[0].text, out[0].activations["blocks.6.hook_resid_post"], out[0].receipt
+engine = inspect_tl_vllm.boot("smollm2")
+out = engine.generate(["Hello"], capture={"hooks": ["blocks.6.hook_resid_post"]},
+                      steering=[{"hook": "blocks.6.hook_resid_post", "op": "add",
+                                 "vector": "vec.safetensors", "coef": 4.0}])
+out[0].text, out[0].activations["blocks.6.hook_resid_post"], out[0].receipt
 """
 
 from __future__ import annotations
@@ -56,8 +56,9 @@ class Engine:
     def tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])
-        return list(self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True,
-                                                       return_dict=False))
+        return list(
+            self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+        )
 
     def generate(
         self,
@@ -96,22 +97,29 @@ class Engine:
                 extra = {"tlvllm": request.wire}
                 if request.cache_salt:
                     prompt["cache_salt"] = request.cache_salt
-            params.append(SamplingParams(
-                max_tokens=max_tokens, temperature=temperature, extra_args=extra,
-                skip_reading_prefix_cache=bool(request and request.skip_prefix_cache) or None, **sampling,
-            ))
+            params.append(
+                SamplingParams(
+                    max_tokens=max_tokens,
+                    temperature=temperature,
+                    extra_args=extra,
+                    skip_reading_prefix_cache=bool(request and request.skip_prefix_cache) or None,
+                    **sampling,
+                )
+            )
             inputs.append(prompt)
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
         wanted = [
             [r.uid, max_input_position(len(o.prompt_token_ids), len(o.outputs[0].token_ids))]
-            for o, r in zip(outputs, prepared, strict=True) if r is not None
+            for o, r in zip(outputs, prepared, strict=True)
+            if r is not None
         ]
         fetched = iter(self.llm.collective_rpc("tlvllm_fetch", args=(wanted,))[0] if wanted else [])
         results = []
         for i, (out, request) in enumerate(zip(outputs, prepared, strict=True)):
             completion = out.outputs[0]
-            gen = Generation(completion.text, list(out.prompt_token_ids), list(completion.token_ids),
-                             completion.finish_reason)
+            gen = Generation(
+                completion.text, list(out.prompt_token_ids), list(completion.token_ids), completion.finish_reason
+            )
             if request is not None:
                 result: CaptureResult = front.decode(next(fetched), f"prompt {i}")
                 if strict:

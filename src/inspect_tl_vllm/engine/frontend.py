@@ -113,8 +113,15 @@ class Instrumentation:
                 key = vector_hash(vector)
                 vectors[key] = vector
             steer.append(
-                {"label": label, "site": site.index, "stage": stage, "op": item.op, "coef": item.coef,
-                 "vector": key, "positions": item.positions}
+                {
+                    "label": label,
+                    "site": site.index,
+                    "stage": stage,
+                    "op": item.op,
+                    "coef": item.coef,
+                    "vector": key,
+                    "positions": item.positions,
+                }
             )
         capture = None
         if spec.capture is not None:

@@ -60,7 +60,9 @@ class Controller:
         self.results: dict[str, RequestState] = {}  # uid -> state, until fetched
         log.info(
             "tl-vllm: %d hook sites on %s, %.1f MiB of buffers",
-            len(self.sites), architecture, self.runtime.memory_bytes() / 2**20,
+            len(self.sites),
+            architecture,
+            self.runtime.memory_bytes() / 2**20,
         )
 
     # -- per step -------------------------------------------------------------------------

@@ -1,0 +1,94 @@
+"""Spec validation and the hook table: every bad input gets an error naming field and fix."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from inspect_tl_vllm.instrument.hookpoints import build_sites, canonical_hook_point, layout_for
+from inspect_tl_vllm.instrument.routing import scope_mask
+from inspect_tl_vllm.instrument.vectors import load_vector
+from inspect_tl_vllm.specs import InstrumentConfig, SpecError, parse_hook_point, parse_request_spec
+
+
+def test_unknown_hook_point_suggests_the_nearest():
+    with pytest.raises(SpecError, match="Did you mean 'blocks.6.hook_resid_post'"):
+        parse_hook_point("blocks.6.hook_resid_pst")
+    with pytest.raises(SpecError, match="ln_final.hook_normalized"):
+        parse_hook_point("final_norm")
+
+
+@pytest.mark.parametrize(
+    ("raw", "fragment"),
+    [
+        ({"interventions": [{"hook": "blocks.1.hook_resid_post", "op": "add"}]}, "needs a vector"),
+        ({"interventions": [{"hook": "blocks.1.hook_resid_post", "op": "scale", "vector": [1.0]}]}, "takes no vector"),
+        ({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [1.0, math.nan]}]}, "NaN"),
+        ({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [1.0], "coef": math.inf}]}, "coef"),
+        ({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [1.0], "positions": []}]}, "positions"),
+        ({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [1.0], "positions": [2, 2]}]}, "duplicate"),
+        ({"interventions": [{"hook": "blocks.1.hook_resid", "vector": [1.0]}]}, "unknown hook point"),
+        ({"capture": {"hooks": []}}, "hooks"),
+        ({"capture": {"hooks": ["blocks.0.hook_mlp_out"], "reduce": "median"}}, "reduce"),
+        ({"steer": []}, "steer"),
+    ],
+)
+def test_bad_specs_name_the_sample_and_field(raw, fragment):
+    with pytest.raises(SpecError, match="sample 7") as info:
+        parse_request_spec(raw, "sample 7")
+    assert fragment in str(info.value)
+
+
+def test_hook_table_aliases_resid_pre_onto_previous_resid_post():
+    sites = build_sites(layout_for("LlamaForCausalLM"), 4, list(InstrumentConfig().hook_points))
+    assert sites["blocks.2.hook_resid_pre"] is sites["blocks.1.hook_resid_post"]
+    assert sites["blocks.0.hook_resid_pre"] is not sites["blocks.0.hook_resid_post"]
+    assert len({s.index for s in sites.values()}) == 4 + 1 + 1  # resid_post x4, resid_pre.0, ln_final
+    assert canonical_hook_point("blocks.3.hook_resid_pre", 4) == "blocks.2.hook_resid_post"
+    with pytest.raises(SpecError, match="layer 9 does not exist"):
+        canonical_hook_point("blocks.9.hook_mlp_out", 4)
+
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    with pytest.raises(SpecError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        layout_for("GPT2LMHeadModel")
+
+
+def test_gemma_attn_out_is_after_its_post_attention_norm():
+    sites = build_sites(layout_for("Gemma2ForCausalLM"), 2, ["all"])
+    assert sites["blocks.1.hook_attn_out"].module == "post_attention_layernorm"
+    assert sites["blocks.1.hook_resid_mid"].module == "pre_feedforward_layernorm"
+
+
+def test_position_scopes():
+    positions = np.arange(8)
+    assert scope_mask(positions, 5, "prompt").tolist() == [True] * 5 + [False] * 3
+    assert scope_mask(positions, 5, "generated").sum() == 3
+    assert np.nonzero(scope_mask(positions, 5, [-1, 0, 6]))[0].tolist() == [0, 4, 6]
+
+
+def test_vector_files_are_checked_and_never_unpickled(tmp_path):
+    from safetensors.torch import save_file
+
+    good = tmp_path / "v.safetensors"
+    save_file({"a": torch.ones(4), "b": torch.zeros(4)}, str(good))
+    assert load_vector(f"{good}:a", 4).sum() == 4
+    with pytest.raises(SpecError, match="holds 2 tensors"):
+        load_vector(str(good), 4)
+    with pytest.raises(SpecError, match="hidden size is 8"):
+        load_vector(f"{good}:a", 8)
+    np.save(tmp_path / "nan.npy", np.array([1.0, np.nan, 0.0, 0.0]))
+    with pytest.raises(SpecError, match="NaN"):
+        load_vector(str(tmp_path / "nan.npy"), 4)
+    pickled = tmp_path / "evil.pt"
+    torch.save({"v": torch.ones(4), "obj": object()}, pickled)
+    with pytest.raises(SpecError, match="cannot read"):
+        load_vector(str(pickled), 4)
+    (tmp_path / "broken.safetensors").write_bytes(b"garbage")
+    with pytest.raises(SpecError, match="cannot read"):
+        load_vector(str(tmp_path / "broken.safetensors"), 4)
+    with pytest.raises(SpecError, match="not found"):
+        load_vector(str(tmp_path / "missing.npy"), 4)
