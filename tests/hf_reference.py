@@ -18,11 +18,19 @@ def _first(x: object) -> torch.Tensor:
     return x[0] if isinstance(x, tuple) else x  # type: ignore[index,return-value]
 
 
+GEMMA_LIKE = ("gemma2", "gemma3_text")
+
+
 def hf_activations(model, token_ids: list[int]) -> dict[str, torch.Tensor]:
-    """Every hook point's value (rows = positions) for one forward over ``token_ids``."""
+    """Every hook point's value (rows = positions) for one forward over ``token_ids``.
+
+    attn_out / mlp_out are the tensors each block adds to the residual stream: the outputs of
+    ``self_attn`` / ``mlp``, or for Gemma of ``post_attention_layernorm`` / ``post_feedforward_layernorm``.
+    """
     acts: dict[str, torch.Tensor] = {}
     handles = []
     layers = model.model.layers
+    gemma = model.config.model_type in GEMMA_LIKE
 
     def keep(name: str, pre: bool = False) -> Callable:
         if pre:
@@ -32,8 +40,10 @@ def hf_activations(model, token_ids: list[int]) -> dict[str, torch.Tensor]:
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(keep(f"blocks.{i}.hook_resid_pre", pre=True), with_kwargs=True))
         handles.append(layer.register_forward_hook(keep(f"blocks.{i}.hook_resid_post")))
-        handles.append(layer.self_attn.register_forward_hook(keep(f"blocks.{i}.hook_attn_out")))
-        handles.append(layer.mlp.register_forward_hook(keep(f"blocks.{i}.hook_mlp_out")))
+        attn = layer.post_attention_layernorm if gemma else layer.self_attn
+        mlp = layer.post_feedforward_layernorm if gemma else layer.mlp
+        handles.append(attn.register_forward_hook(keep(f"blocks.{i}.hook_attn_out")))
+        handles.append(mlp.register_forward_hook(keep(f"blocks.{i}.hook_mlp_out")))
     handles.append(model.model.norm.register_forward_hook(keep("ln_final.hook_normalized")))
     try:
         with torch.no_grad():

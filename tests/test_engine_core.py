@@ -84,10 +84,9 @@ def test_mixed_batch_gives_each_request_its_solo_result(tiny_engine):
         },
     ]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0]]
-    before = tiny_engine.status()["max_requests_steered_in_one_step"]
+    tiny_engine.status()  # restarts the batch-mixing counter
     together = tiny_engine.generate(prompts, specs=specs, max_tokens=8)
     assert tiny_engine.status()["max_requests_steered_in_one_step"] >= 3
-    del before
     for prompt, spec, joint in zip(prompts, specs, together, strict=True):
         alone = tiny_engine.generate([prompt], specs=[spec], max_tokens=8)[0]
         assert joint.token_ids == alone.token_ids
@@ -178,3 +177,28 @@ def test_refused_engine_settings_are_named():
         check_engine_args({"speculative_config": {"method": "ngram"}})
     with pytest.raises(SpecError, match="additional_config"):
         check_engine_args({"additional_config": {"tlvllm": {}}})
+
+
+def test_chunked_prefill_captures_every_row_like_one_pass(tiny_engine, tiny_llama_dir):
+    from conftest import boot_engine
+
+    chunked = boot_engine(
+        tiny_llama_dir, max_num_batched_tokens=32, max_num_seqs=4, instrument={"hook_points": ["all"]}
+    )
+    try:
+        prompt = " ".join(f"item {i}," for i in range(40))  # ~120 tokens: four or more prefill chunks
+        spec = {
+            "interventions": [{"hook": "blocks.1.hook_resid_mid", "vector": [0.3] * 64, "coef": 2.0}],
+            "capture": {"hooks": ["blocks.2.hook_resid_post", "blocks.0.hook_attn_out"]},
+        }
+        got = chunked.generate([prompt, PROMPTS[0]], specs=[spec, spec], max_tokens=5)
+        want = tiny_engine.generate([prompt, PROMPTS[0]], specs=[spec, spec], max_tokens=5)
+        assert len(got[0].prompt_token_ids) > 3 * 32
+        for g, w in zip(got, want, strict=True):
+            assert g.token_ids == w.token_ids
+            assert g.receipt["interventions"][0]["rows"] == w.receipt["interventions"][0]["rows"]
+            for hook, value in w.activations.items():
+                assert g.positions[hook] == w.positions[hook]
+                assert rel_err(g.activations[hook], value) < 1e-5
+    finally:
+        chunked.llm.llm_engine.engine_core.shutdown()

@@ -208,7 +208,7 @@ class StepRouter:
             self.runtime.vec_index[:span].copy_(self.vec_index[:span], non_blocking=True)
             self.runtime.coefs[:span].copy_(self.coefs[:span], non_blocking=True)
         self._dirty_rows = used
-        self._work = work if (work.steer or work.capture or entries) else None
+        self._work = work if entries else None
 
     def end_step(self) -> None:
         """Account steering receipts and collect captured rows of the step just run."""
