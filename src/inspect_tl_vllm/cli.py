@@ -35,7 +35,7 @@ def _models(_: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from inspect_tl_vllm.demo import run
 
-    run(args.model, coef=args.coef, max_tokens=args.max_tokens, out_dir=args.out)
+    run(args.model, coef=args.coef, max_tokens=args.max_tokens, out_dir=args.out, save_vector=args.save_vector)
     return 0
 
 
@@ -53,6 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--coef", type=float, default=1.0)
     demo.add_argument("--max-tokens", type=int, default=40)
     demo.add_argument("--out", default="logs", help="directory for the captured activations")
+    demo.add_argument("--save-vector", default=None, help="also save the extracted steering vector here")
     demo.set_defaults(func=_demo)
     args = parser.parse_args(argv)
     return int(args.func(args))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 HOOK = "blocks.12.hook_resid_post"
 CONCEPT = "The ocean: waves, the sea, salt water, sailing ships, whales and the deep blue sea."
@@ -17,7 +18,20 @@ NEUTRAL = "A list of ordinary things: a table, a chair, a pencil, a door and a w
 QUESTION = [{"role": "user", "content": "Tell me about your weekend."}]
 
 
-def run(model: str = "smollm2", coef: float = 1.0, max_tokens: int = 40, out_dir: str = "logs") -> Path:
+def extract_ocean_vector(engine: Any) -> Any:
+    """Mean residual stream at HOOK of a concept prompt minus a neutral one, via the engine."""
+    capture = {"hooks": [HOOK], "reduce": "mean"}
+    concept, neutral = engine.generate([CONCEPT, NEUTRAL], capture=capture, max_tokens=1)
+    return (concept.activations[HOOK][0] - neutral.activations[HOOK][0]).float()
+
+
+def run(
+    model: str = "smollm2",
+    coef: float = 1.0,
+    max_tokens: int = 40,
+    out_dir: str = "logs",
+    save_vector: str | None = None,
+) -> Path:
     import torch
     from safetensors.torch import save_file
 
@@ -32,10 +46,15 @@ def run(model: str = "smollm2", coef: float = 1.0, max_tokens: int = 40, out_dir
     engine = boot(model, **settings)
     print(f"demo: engine ready in {time.time() - start:.0f} s", flush=True)
 
-    capture = {"hooks": [HOOK], "reduce": "mean"}
-    concept, neutral = engine.generate([CONCEPT, NEUTRAL], capture=capture, max_tokens=1)
-    vector = (concept.activations[HOOK][0] - neutral.activations[HOOK][0]).float()
+    vector = extract_ocean_vector(engine)
     print(f"demo: steering vector at {HOOK}, norm {vector.norm():.1f}", flush=True)
+    if save_vector:
+        save_file(
+            {"vector": vector.contiguous()},
+            save_vector,
+            metadata={"model": model, "hook": HOOK, "concept": CONCEPT, "neutral": NEUTRAL},
+        )
+        print(f"demo: vector saved to {save_vector}")
 
     steer = [{"hook": HOOK, "op": "add", "vector": vector.tolist(), "coef": coef, "positions": "all"}]
     per_token = {"hooks": [HOOK, "ln_final.hook_normalized"]}

@@ -1,0 +1,55 @@
+"""Read activations stored by the ``tl-vllm`` provider back, joined with the eval log.
+
+from inspect_tl_vllm import activations
+for record in activations.load("logs/2026-...eval"):
+    record.sample_id, record.epoch, record.scores, record.activations["blocks.6.hook_resid_post"]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from inspect_tl_vllm.storage import activations_dir_for, read_index, read_sample
+
+
+@dataclass
+class SampleActivations:
+    sample_id: Any
+    epoch: int
+    sample_uuid: str
+    scores: dict[str, Any]
+    activations: dict[str, torch.Tensor] = field(default_factory=dict)
+    index: dict[str, Any] = field(default_factory=dict)
+
+
+def load(log: str | Path | Any, activations_dir: str | None = None, verify: bool = True) -> list[SampleActivations]:
+    """Per-sample activations of an eval log (path or EvalLog), with its scores, in log order.
+
+    ``activations_dir`` is the ``-M activations_dir`` the eval ran with, if any.
+    """
+    from inspect_ai.log import read_eval_log
+
+    eval_log = read_eval_log(str(log)) if isinstance(log, str | Path) else log
+    directory = activations_dir_for(eval_log.location, eval_log.eval.eval_id, activations_dir)
+    entries = {(repr(e["sample_id"]), int(e["epoch"])): e for e in read_index(directory)}
+    records = []
+    for sample in eval_log.samples or []:
+        entry = entries.get((repr(sample.id), int(sample.epoch)))
+        if entry is None:
+            continue
+        scores = {name: score.value for name, score in (sample.scores or {}).items()}
+        records.append(
+            SampleActivations(
+                sample_id=sample.id,
+                epoch=sample.epoch,
+                sample_uuid=entry["sample_uuid"],
+                scores=scores,
+                activations=read_sample(directory, entry, verify=verify),
+                index=entry,
+            )
+        )
+    return records

@@ -1,0 +1,1 @@
+"""The Inspect provider ``tl-vllm``: model args, the shared engine pool and the ModelAPI."""

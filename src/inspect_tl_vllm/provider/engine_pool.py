@@ -1,0 +1,89 @@
+"""One instrumented ``AsyncLLM`` per process and (model, engine settings), shared by every
+``get_model`` instance and model role that names them.
+
+vLLM's async client is bound to the event loop it first runs on, while Inspect runs each
+``eval()`` in a loop of its own.  So each engine lives on a private event loop in a daemon
+thread; Inspect's coroutines submit work there and await the result.  The engine therefore
+outlives any one ``eval()`` call, and is shut down once at interpreter exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import contextlib
+import threading
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from inspect_tl_vllm.engine.construct import InstrumentedLLM, construct_instrumented_llm
+from inspect_tl_vllm.specs import InstrumentConfig
+
+T = TypeVar("T")
+
+
+class EngineThread:
+    """An instrumented AsyncLLM on its own event loop thread."""
+
+    def __init__(self, model: str, instrument: InstrumentConfig, engine_kwargs: dict[str, Any]) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name=f"tl-vllm:{model}", daemon=True)
+        self.thread.start()
+        self.upload_lock: asyncio.Lock | None = None
+        self._model = model
+        self._instrument = instrument
+        self._kwargs = engine_kwargs
+        self._core: InstrumentedLLM | None = None
+
+    async def core(self) -> InstrumentedLLM:
+        """The engine, booted on first use (on the engine thread, off Inspect's loop)."""
+        if self._core is None:
+            await self.run(self._boot)
+        assert self._core is not None
+        return self._core
+
+    async def _boot(self) -> None:
+        # Runs on the engine loop, one coroutine at a time: a second caller finds it booted.
+        if self._core is None:
+            self._core = construct_instrumented_llm(
+                self._model, instrument=self._instrument, async_engine=True, **self._kwargs
+            )
+            self.upload_lock = asyncio.Lock()
+
+    async def run(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
+        """Run ``make()`` on the engine loop and await its result from the caller's loop."""
+        future = asyncio.run_coroutine_threadsafe(make(), self.loop)
+        return await asyncio.wrap_future(future)
+
+    def close(self) -> None:
+        if self._core is not None:
+            engine = self._core.engine
+            self._core = None
+            done = asyncio.run_coroutine_threadsafe(_shutdown(engine), self.loop)
+            with contextlib.suppress(Exception):  # best effort at exit
+                done.result(timeout=60)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+
+
+async def _shutdown(engine: Any) -> None:
+    engine.shutdown()
+
+
+_ENGINES: dict[str, EngineThread] = {}
+_LOCK = threading.Lock()
+
+
+def shared_engine(key: str, factory: Callable[[], EngineThread]) -> EngineThread:
+    with _LOCK:
+        if key not in _ENGINES:
+            _ENGINES[key] = factory()
+        return _ENGINES[key]
+
+
+@atexit.register
+def _close_all() -> None:
+    with _LOCK:
+        engines = list(_ENGINES.values())
+        _ENGINES.clear()
+    for engine in engines:
+        engine.close()

@@ -1,0 +1,139 @@
+"""``-M`` model args of ``tl-vllm``: engine settings, instrumentation, run-wide steering/capture.
+
+Run-wide steering: ``-M steer=spec.yaml`` (a file holding a RequestSpec: ``interventions``
+and optionally ``capture``) or inline JSON (``-M steer='{"interventions": [...]}'``).
+Run-wide capture: ``-M capture=blocks.6.hook_resid_post,ln_final.hook_normalized`` with
+``-M capture_reduce=mean|last|max_norm|none`` and ``-M capture_positions=all|prompt|generated``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from inspect_tl_vllm.specs import InstrumentConfig, RequestSpec, SpecError, parse_request_spec
+
+ENGINE_ARGS = (
+    "dtype",
+    "max_model_len",
+    "gpu_memory_utilization",
+    "max_num_batched_tokens",
+    "max_num_seqs",
+    "enforce_eager",
+    "tensor_parallel_size",
+    "pipeline_parallel_size",
+    "enable_prefix_caching",
+    "seed",
+    "kv_cache_memory_bytes",
+)
+INSTRUMENT_ARGS = ("hook_points", "max_stack", "max_vectors", "capture_bytes_per_request")
+PROVIDER_ARGS = (
+    "steer",
+    "capture",
+    "capture_reduce",
+    "capture_positions",
+    "capture_dtype",
+    "activations_dir",
+    "chat_template",
+    "engine_args",
+)
+
+
+@dataclass
+class ProviderSettings:
+    engine: dict[str, Any] = field(default_factory=dict)
+    instrument: InstrumentConfig = field(default_factory=InstrumentConfig)
+    run_spec: RequestSpec = field(default_factory=RequestSpec)
+    activations_dir: str | None = None
+    chat_template: str | None = None
+
+    def engine_key(self, model: str) -> str:
+        return json.dumps([model, self.engine, self.instrument.model_dump()], sort_keys=True, default=str)
+
+    def fingerprint(self, model: str) -> str:
+        """Hash of the model, engine settings and run-wide spec, vector file contents included."""
+        spec = self.run_spec.model_dump()
+        for item in spec["interventions"]:
+            vector = item.get("vector")
+            if isinstance(vector, str) and not vector.startswith("sha256:"):
+                path = Path(vector.rsplit(":", 1)[0] if not Path(vector).exists() else vector)
+                item["vector"] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else vector
+        text = json.dumps([self.engine_key(model), spec], sort_keys=True, default=str)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _load_structured(value: str, name: str) -> Any:
+    text = value.strip()
+    if text.startswith(("{", "[")):
+        try:
+            return json.loads(text)
+        except ValueError as err:
+            raise SpecError(f"-M {name}: not valid JSON: {err}") from None
+    path = Path(text).expanduser()
+    if not path.is_file():
+        raise SpecError(f"-M {name}={value!r}: no such file; give a .yaml/.json spec file or inline JSON")
+    try:
+        if path.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            loaded = yaml.safe_load(path.read_text())
+        else:
+            loaded = json.loads(path.read_text())
+    except Exception as err:  # OSError, JSON and YAML errors alike
+        raise SpecError(f"-M {name}: cannot parse {path}: {err}") from None
+    return _relative_vectors(loaded, path.parent)
+
+
+def _relative_vectors(spec: Any, base: Path) -> Any:
+    """Vector file paths in a spec file are relative to that file's folder."""
+    if isinstance(spec, dict):
+        for item in spec.get("interventions") or []:
+            vector = item.get("vector") if isinstance(item, dict) else None
+            if isinstance(vector, str) and not vector.startswith("sha256:") and not Path(vector).is_absolute():
+                item["vector"] = str(base / vector)
+    return spec
+
+
+def _as_list(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [v.strip() for v in value.split(",") if v.strip()]
+    return list(value)
+
+
+def parse_model_args(args: dict[str, Any]) -> ProviderSettings:
+    unknown = set(args) - set(ENGINE_ARGS) - set(INSTRUMENT_ARGS) - set(PROVIDER_ARGS)
+    if unknown:
+        raise SpecError(
+            f"unknown model args {sorted(unknown)} for tl-vllm; engine settings: {', '.join(ENGINE_ARGS)}; "
+            f"other vLLM engine arguments go in -M engine_args='{{...}}' (JSON)"
+        )
+    engine = {k: args[k] for k in ENGINE_ARGS if k in args}
+    if "engine_args" in args:
+        extra = args["engine_args"]
+        extra = _load_structured(extra, "engine_args") if isinstance(extra, str) else extra
+        if not isinstance(extra, dict):
+            raise SpecError("-M engine_args: must be a JSON object of vLLM engine arguments")
+        engine.update(extra)
+    instrument_raw = {k: args[k] for k in INSTRUMENT_ARGS if k in args}
+    if "hook_points" in instrument_raw:
+        instrument_raw["hook_points"] = _as_list(instrument_raw["hook_points"])
+    try:
+        instrument = InstrumentConfig(**instrument_raw)
+    except ValueError as err:
+        raise SpecError(f"instrumentation model args: {err}") from None
+    spec = RequestSpec()
+    if args.get("steer"):
+        raw = args["steer"]
+        spec = parse_request_spec(_load_structured(raw, "steer") if isinstance(raw, str) else raw, "-M steer")
+    if args.get("capture"):
+        capture = {
+            "hooks": _as_list(args["capture"]),
+            "reduce": args.get("capture_reduce", "mean"),
+            "positions": args.get("capture_positions", "all"),
+            "dtype": args.get("capture_dtype", "float32"),
+        }
+        spec = spec.merged(parse_request_spec({"capture": capture}, "-M capture"))
+    return ProviderSettings(engine, instrument, spec, args.get("activations_dir"), args.get("chat_template"))
