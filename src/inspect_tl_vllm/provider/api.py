@@ -238,7 +238,7 @@ class TLVLLMAPI(ModelAPI):
                     epoch=active.epoch,
                     sample_uuid=active.sample_uuid,
                     activations=result.activations,
-                    positions=result.positions,
+                    tokens=result.receipt.get("captures", {}),
                     extra={
                         "model": self.model_name,
                         "reduce": prepared.spec.capture.reduce if prepared.spec.capture else None,

@@ -26,14 +26,26 @@ class EngineThread:
     """An instrumented AsyncLLM on its own event loop thread."""
 
     def __init__(self, model: str, instrument: InstrumentConfig, engine_kwargs: dict[str, Any]) -> None:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, name=f"tl-vllm:{model}", daemon=True)
-        self.thread.start()
+        # Inspect may construct model instances it never calls: start nothing until used.
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self._start_lock = threading.Lock()
         self.upload_lock: asyncio.Lock | None = None
         self._model = model
         self._instrument = instrument
         self._kwargs = engine_kwargs
         self._core: InstrumentedLLM | None = None
+
+    @property
+    def booted(self) -> bool:
+        return self._core is not None
+
+    def _start(self) -> asyncio.AbstractEventLoop:
+        with self._start_lock:
+            if self.loop is None:
+                self.loop = asyncio.new_event_loop()
+                name = f"tl-vllm:{self._model}"
+                threading.Thread(target=self.loop.run_forever, name=name, daemon=True).start()
+            return self.loop
 
     async def core(self) -> InstrumentedLLM:
         """The engine, booted on first use (on the engine thread, off Inspect's loop)."""
@@ -52,10 +64,12 @@ class EngineThread:
 
     async def run(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """Run ``make()`` on the engine loop and await its result from the caller's loop."""
-        future = asyncio.run_coroutine_threadsafe(make(), self.loop)
+        future = asyncio.run_coroutine_threadsafe(make(), self._start())
         return await asyncio.wrap_future(future)
 
     def close(self) -> None:
+        if self.loop is None:
+            return
         if self._core is not None:
             engine = self._core.engine
             self._core = None

@@ -1,0 +1,189 @@
+"""The Inspect provider on the real CPU engine: `inspect_ai.eval()` and the `inspect eval` CLI."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from inspect_ai import Task, eval
+from inspect_ai.dataset import Sample
+from inspect_ai.model import GenerateConfig
+from inspect_ai.scorer import exact
+from inspect_ai.solver import generate
+
+from conftest import environment
+
+pytestmark = pytest.mark.engine
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = ["Name a colour.", "Say something about cats.", "Count to three.", "What is a river?"]
+HOOK = "blocks.2.hook_resid_post"
+
+
+@pytest.fixture(scope="module")
+def provider_args(vllm_ready, tiny_llama_dir):
+    with environment(TORCH_COMPILE_DISABLE="1"):  # the engine boots inside the first eval()
+        yield {
+            "enforce_eager": True,
+            "dtype": "float32",
+            "max_model_len": 256,
+            "seed": 0,
+            "capture": HOOK,
+            "capture_reduce": "none",
+        }
+
+
+def run_eval(tiny_llama_dir, args, samples, log_dir, **kwargs):
+    task = Task(
+        dataset=samples, solver=generate(), scorer=exact(), config=GenerateConfig(max_tokens=8, temperature=0.0)
+    )
+    logs = eval(
+        task, model=f"tl-vllm/{tiny_llama_dir}", model_args=args, log_dir=str(log_dir), display="none", **kwargs
+    )
+    return logs[0]
+
+
+def steer_meta(seed: int, coef: float = 8.0) -> dict:
+    torch.manual_seed(seed)
+    return {
+        "tlvllm": {
+            "interventions": [{"hook": "blocks.1.hook_resid_post", "vector": torch.randn(64).tolist(), "coef": coef}]
+        }
+    }
+
+
+def test_eval_steers_only_where_asked_and_stores_matching_activations(
+    provider_args, tiny_llama_dir, tiny_engine, tmp_path
+):
+    from inspect_tl_vllm import activations
+
+    metas = [None, steer_meta(1), steer_meta(2), None]
+    samples = [Sample(id=f"s{i}", input=q, metadata=m) for i, (q, m) in enumerate(zip(QUESTIONS, metas, strict=True))]
+    log = run_eval(tiny_llama_dir, provider_args, samples, tmp_path, max_connections=4)
+    assert log.status == "success"
+    records = {r.sample_id: r for r in activations.load(log)}
+    assert set(records) == {"s0", "s1", "s2", "s3"}
+    by_id = {s.id: s for s in log.samples}
+    for i, question in enumerate(QUESTIONS):
+        chat = [{"role": "user", "content": question}]
+        spec = {
+            "capture": {"hooks": [HOOK]},
+            **({"interventions": metas[i]["tlvllm"]["interventions"]} if metas[i] else {}),
+        }
+        direct = tiny_engine.generate([chat], specs=[spec], max_tokens=8)[0]
+        sample = by_id[f"s{i}"]
+        assert sample.output.completion == direct.text
+        stored = records[f"s{i}"].activations[HOOK]
+        assert stored.shape == direct.activations[HOOK].shape
+        assert float((stored - direct.activations[HOOK]).norm() / direct.activations[HOOK].norm()) < 1e-5
+        meta = sample.output.metadata["tlvllm"]
+        assert meta["activations"]["hooks"][HOOK]["shape"] == list(stored.shape)
+        steered_rows = [x["rows"] for x in meta["receipt"]["interventions"]]
+        assert steered_rows == ([] if metas[i] is None else [stored.shape[0]])
+        if metas[i] is not None:
+            plain = tiny_engine.generate([chat], max_tokens=8)[0]
+            assert plain.text != direct.text, "steering changed nothing: the test would prove nothing"
+
+
+def test_logprobs_stop_sequences_and_engine_reuse(provider_args, tiny_llama_dir, tmp_path):
+    from inspect_tl_vllm.provider import engine_pool
+
+    plain = run_eval(tiny_llama_dir, provider_args, [Sample(id="a", input=QUESTIONS[0])], tmp_path / "a")
+    text = plain.samples[0].output.completion
+    stop = text[len(text) // 2 :][:3]
+    assert stop.strip(), f"completion too short to cut: {text!r}"
+    task_args = {"logprobs": True, "top_logprobs": 2, "stop_seqs": [stop]}
+    log = run_eval(tiny_llama_dir, provider_args, [Sample(id="a", input=QUESTIONS[0])], tmp_path / "b", **task_args)
+    choice = log.samples[0].output.choices[0]
+    assert stop not in choice.message.text and text.startswith(choice.message.text)
+    assert choice.stop_reason == "stop"
+    assert choice.logprobs is not None and len(choice.logprobs.content[0].top_logprobs) >= 2
+    booted = [key for key, engine in engine_pool._ENGINES.items() if engine.booted]
+    assert len(booted) == 1, "successive evals with the same settings must share one engine"
+
+
+def test_overlong_prompt_fails_only_its_sample(provider_args, tiny_llama_dir, tmp_path):
+    from inspect_tl_vllm import activations
+
+    samples = [
+        Sample(id="ok1", input=QUESTIONS[1]),
+        Sample(id="long", input="word " * 400),
+        Sample(id="ok2", input=QUESTIONS[2]),
+    ]
+    log = run_eval(tiny_llama_dir, provider_args, samples, tmp_path, fail_on_error=False)
+    errors = {s.id: s.error for s in log.samples}
+    assert errors["long"] is not None and "max_model_len" in errors["long"].message
+    assert errors["ok1"] is None and errors["ok2"] is None
+    assert {r.sample_id for r in activations.load(log)} == {"ok1", "ok2"}
+
+
+def test_bad_sample_spec_names_the_sample(provider_args, tiny_llama_dir, tmp_path):
+    bad = {"tlvllm": {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [1.0] * 5}]}}
+    log = run_eval(
+        tiny_llama_dir, provider_args, [Sample(id="bad-one", input="hi", metadata=bad)], tmp_path, fail_on_error=False
+    )
+    message = log.samples[0].error.message
+    assert "bad-one" in message and "hidden size is 64" in message
+
+
+def test_cache_key_names_the_run_wide_steering(provider_args, tiny_llama_dir, tmp_path):
+    from inspect_tl_vllm.provider.api import TLVLLMAPI
+
+    vector = tmp_path / "v.npy"
+    import numpy as np
+
+    np.save(vector, np.ones(64, dtype=np.float32))
+    spec = f'{{"interventions": [{{"hook": "blocks.1.hook_resid_post", "vector": "{vector}"}}]}}'
+    plain = TLVLLMAPI(str(tiny_llama_dir), **provider_args)
+    steered = TLVLLMAPI(str(tiny_llama_dir), **{**provider_args, "steer": spec})
+    assert plain.base_url != steered.base_url
+    np.save(vector, np.full(64, 2.0, dtype=np.float32))
+    assert TLVLLMAPI(str(tiny_llama_dir), **{**provider_args, "steer": spec}).base_url != steered.base_url
+
+
+def test_inspect_eval_command_line(vllm_ready, tiny_llama_dir, tmp_path):
+    task = tmp_path / "task.py"
+    task.write_text(
+        "from inspect_ai import Task, task\nfrom inspect_ai.dataset import Sample\n"
+        "from inspect_ai.solver import generate\n"
+        "@task\ndef t():\n    return Task(dataset=[Sample(id=1, input='Hello'), Sample(id=2, input='Bye')],"
+        " solver=generate())\n"
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "inspect_ai",
+        "eval",
+        "task.py",
+        "--model",
+        f"tl-vllm/{tiny_llama_dir}",
+        "-M",
+        "enforce_eager=true",
+        "-M",
+        "dtype=float32",
+        "-M",
+        "max_model_len=256",
+        "-M",
+        f"capture={HOOK}",
+        "-M",
+        "capture_reduce=mean",
+        "--max-tokens",
+        "4",
+        "--log-dir",
+        "logs",
+        "--display",
+        "plain",
+    ]
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1"}
+    result = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    logs = list((tmp_path / "logs").glob("*.eval"))
+    assert len(logs) == 1
+    from inspect_tl_vllm import activations
+
+    records = activations.load(logs[0])
+    assert sorted(r.sample_id for r in records) == [1, 2]
+    assert all(r.activations[HOOK].shape == (1, 64) for r in records)
