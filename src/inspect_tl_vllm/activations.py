@@ -53,3 +53,23 @@ def load(log: str | Path | Any, activations_dir: str | None = None, verify: bool
             )
         )
     return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m inspect_tl_vllm.activations LOG``: list what a log's samples captured."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("log")
+    parser.add_argument("--activations-dir", default=None)
+    args = parser.parse_args(argv)
+    records = load(args.log, args.activations_dir)
+    for record in records:
+        shapes = ", ".join(f"{hook} {tuple(t.shape)}" for hook, t in record.activations.items())
+        print(f"sample {record.sample_id!r} epoch {record.epoch} scores {record.scores}: {shapes}")
+    print(f"{len(records)} samples with activations")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

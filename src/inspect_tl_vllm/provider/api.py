@@ -107,6 +107,12 @@ class TLVLLMAPI(ModelAPI):
     def _spec_for(self, active: Any, config: GenerateConfig, where: str) -> RequestSpec | None:
         spec = self.settings.run_spec
         if active is not None and active.sample.metadata and TAG in active.sample.metadata:
+            if config.cache:
+                raise SpecError(
+                    f"{where}: steering in Sample.metadata is not part of Inspect's cache key, so --cache could "
+                    "return an answer generated under other steering; attach it with the steer() solver or "
+                    f"generate(extra_body={{'{TAG}': ...}}) instead, or run without the cache"
+                )
             spec = spec.merged(parse_request_spec(active.sample.metadata[TAG], f"{where}: metadata.{TAG}"))
         extra = (config.extra_body or {}).get(TAG)
         if extra is not None:
