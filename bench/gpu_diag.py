@@ -9,15 +9,9 @@ import json
 import sys
 
 import torch
+from gpu_check import HOOKS, QUESTIONS
 
-PROMPTS = ["What is the capital of France?", "Name a primary colour.", "What is 2 + 2?"]
-HOOKS = [
-    "blocks.0.hook_resid_pre",
-    "blocks.10.hook_resid_post",
-    "blocks.20.hook_resid_mid",
-    "blocks.25.hook_mlp_out",
-    "ln_final.hook_normalized",
-]
+PROMPTS = QUESTIONS[:3]
 
 
 def hook_reference(hf, acts: dict[str, torch.Tensor]) -> list:

@@ -47,24 +47,31 @@ def vllm_ready() -> None:
         require(False, f"vLLM is not installed ({err}): run scripts/setup.sh")
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
-    """A random-weight Llama (3 layers, width 64, head_dim 32) with SmolLM2's tokenizer."""
+def build_tiny_model(architecture: str, config: object, target: Path, tokenizer_dir: Path) -> Path:
+    """Save a random-weight model of ``architecture`` with SmolLM2's tokenizer and chat template."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(vocab_size=49152, tie_word_embeddings=False, **TINY)
+    config.architectures = [architecture]
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
+    model = getattr(transformers, architecture)(config)
     with torch.no_grad():  # larger weights than the default init, so steering moves tokens
         for param in model.parameters():
             if param.ndim == 2:
                 param.normal_(0.0, 0.08)
-    model.save_pretrained(str(path))
+    model.save_pretrained(str(target))
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(smollm2_dir / name, path / name)
-    return path
+        shutil.copy(tokenizer_dir / name, target / name)
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    """A random-weight Llama (3 layers, width 64, head_dim 32) with SmolLM2's tokenizer."""
+    from transformers import LlamaConfig
+
+    config = LlamaConfig(vocab_size=49152, tie_word_embeddings=False, **TINY)
+    return build_tiny_model("LlamaForCausalLM", config, tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
 
 
 @contextlib.contextmanager

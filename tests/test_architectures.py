@@ -3,13 +3,12 @@ transformers' (fp32), and steering moves greedy tokens exactly as a transformers
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import TINY, boot_engine
+from conftest import TINY, boot_engine, build_tiny_model
 from hf_reference import hf_activations, hf_greedy, load_hf
 
 pytestmark = pytest.mark.engine
@@ -40,17 +39,7 @@ def build_tiny(architecture: str, target: Path, tokenizer_dir: Path) -> Path:
 
     config_name, extra = CONFIGS[architecture]
     config = getattr(transformers, config_name)(**{"vocab_size": 49152, "tie_word_embeddings": False, **TINY, **extra})
-    config.architectures = [architecture]
-    torch.manual_seed(0)
-    model = getattr(transformers, architecture)(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.ndim == 2:
-                param.normal_(0.0, 0.08)
-    model.save_pretrained(str(target))
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(tokenizer_dir / name, target / name)
-    return target
+    return build_tiny_model(architecture, config, target, tokenizer_dir)
 
 
 @pytest.mark.parametrize("architecture", sorted(CONFIGS))

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, layout_for
+from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, canonical_hook_point, layout_for
 from inspect_tl_vllm.instrument.vectors import load_vector, vector_hash
 from inspect_tl_vllm.specs import InstrumentConfig, RequestSpec, SpecError
 
@@ -72,8 +72,6 @@ class Instrumentation:
         self.uploaded: set[str] = set()
 
     def site(self, hook: str, where: str) -> Site:
-        from inspect_tl_vllm.instrument.hookpoints import canonical_hook_point
-
         canonical_hook_point(hook, self.num_layers)  # precise error for layers out of range
         site = self.sites.get(hook)
         if site is None:
