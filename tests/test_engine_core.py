@@ -202,3 +202,40 @@ def test_chunked_prefill_captures_every_row_like_one_pass(tiny_engine, tiny_llam
                 assert rel_err(g.activations[hook], value) < 1e-5
     finally:
         chunked.llm.llm_engine.engine_core.shutdown()
+
+
+def test_plugin_leaves_plain_engines_alone(vllm_ready, tiny_llama_dir):
+    from vllm import LLM, SamplingParams
+
+    from conftest import environment
+    from inspect_tl_vllm.engine.construct import EXTENSION
+
+    with environment(TORCH_COMPILE_DISABLE="1"):
+        plain = LLM(
+            model=str(tiny_llama_dir),
+            enforce_eager=True,
+            dtype="float32",
+            max_model_len=128,
+            kv_cache_memory_bytes=64 << 20,
+            worker_extension_cls=EXTENSION,
+        )
+    try:
+        assert len(plain.generate(["hello"], SamplingParams(max_tokens=3), use_tqdm=False)[0].outputs[0].token_ids) == 3
+        with pytest.raises(Exception, match="not instrumented"):
+            plain.collective_rpc("tlvllm_status")
+    finally:
+        plain.llm_engine.engine_core.shutdown()
+
+
+def test_a_hook_that_never_ran_fails_boot_loudly():
+    from types import SimpleNamespace
+
+    from inspect_tl_vllm.engine.worker import verify_hooks_fired
+
+    # Stand-in for a worker whose compiled graph lost its hooks (cannot be provoked for real).
+    controller = SimpleNamespace(
+        runtime=SimpleNamespace(fired=torch.tensor([3, 0])),
+        sites=[SimpleNamespace(name="blocks.0.hook_resid_pre"), SimpleNamespace(name="blocks.0.hook_resid_post")],
+    )
+    with pytest.raises(RuntimeError, match=r"never ran during warm-up at \['blocks.0.hook_resid_post'\]"):
+        verify_hooks_fired(SimpleNamespace(_tlvllm=controller))

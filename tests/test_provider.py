@@ -187,3 +187,37 @@ def test_inspect_eval_command_line(vllm_ready, tiny_llama_dir, tmp_path):
     records = activations.load(logs[0])
     assert sorted(r.sample_id for r in records) == [1, 2]
     assert all(r.activations[HOOK].shape == (1, 64) for r in records)
+
+
+def test_chat_rendering_continues_a_final_assistant_message_and_refuses_tools(provider_args, tiny_llama_dir, tmp_path):
+    from inspect_ai.model import ChatMessageAssistant, ChatMessageSystem, ChatMessageUser
+    from inspect_ai.tool import ToolInfo, ToolParams
+
+    from inspect_tl_vllm import SpecError
+    from inspect_tl_vllm.provider.api import TLVLLMAPI
+
+    api = TLVLLMAPI(str(tiny_llama_dir), **provider_args)
+    messages = [
+        ChatMessageSystem(content="Be brief."),
+        ChatMessageUser(content="Capital of France?"),
+        ChatMessageAssistant(content="The answer is"),
+    ]
+    text = api.tokenizer.decode(api._prompt_ids(messages, []))
+    assert text.endswith("The answer is") and "Be brief." in text
+    fresh = api.tokenizer.decode(api._prompt_ids(messages[:2], []))
+    assert fresh.endswith("<|im_start|>assistant\n")
+    tool = ToolInfo(name="add", description="Add two numbers", parameters=ToolParams())
+    with pytest.raises(SpecError, match="does not render tool definitions"):
+        api._prompt_ids(messages[:2], [tool])
+    template = tmp_path / "template.jinja"
+    template.write_text("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}")
+    custom = TLVLLMAPI(str(tiny_llama_dir), **{**provider_args, "chat_template": str(template)})
+    assert custom.tokenizer.decode(custom._prompt_ids(messages[1:2], [])) == "[user] Capital of France?\n"
+
+
+def test_unknown_model_arg_is_named(tiny_llama_dir):
+    from inspect_tl_vllm import SpecError
+    from inspect_tl_vllm.provider.api import TLVLLMAPI
+
+    with pytest.raises(SpecError, match="unknown model args \\['max_len'\\]"):
+        TLVLLMAPI(str(tiny_llama_dir), max_len=5)

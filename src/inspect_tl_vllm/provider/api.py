@@ -10,6 +10,7 @@ summary and the steering receipt.
 from __future__ import annotations
 
 import uuid
+from pathlib import Path
 from typing import Any
 
 from inspect_ai.model import (
@@ -60,7 +61,10 @@ class TLVLLMAPI(ModelAPI):
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
-        self.chat_template = self.settings.chat_template
+        template = self.settings.chat_template
+        if template and Path(template).expanduser().is_file():
+            template = Path(template).expanduser().read_text()
+        self.chat_template = template
 
     def max_connections(self) -> int:
         return 64  # continuous batching: many samples in flight at once
