@@ -39,6 +39,28 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _extract_vector(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from inspect_tl_vllm.engine.api import boot
+    from inspect_tl_vllm.extract import extract_vectors, read_pairs, save_vectors
+    from inspect_tl_vllm.specs import SpecError
+
+    try:
+        pairs = read_pairs(Path(args.pairs))
+        print(f"extract-vector: {len(pairs)} pairs from {args.pairs}; booting {args.model}", flush=True)
+        engine = boot(args.model, instrument={"hook_points": args.hook}, dtype=args.dtype)
+        vectors = extract_vectors(engine, pairs, args.hook, args.reduce)
+        save_vectors(vectors, Path(args.out), model=args.model, count=len(pairs), reduce=args.reduce)
+    except SpecError as err:
+        print(f"extract-vector: {err}", file=sys.stderr)
+        return 2
+    for hook, vector in vectors.items():
+        print(f"extract-vector: {hook} norm {float(vector.norm()):.3f}")
+    print(f"extract-vector: saved {len(vectors)} vectors to {args.out} (use 'path:hook' to pick one)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tl-vllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -48,6 +70,14 @@ def main(argv: list[str] | None = None) -> int:
     prep.set_defaults(func=_prepare_model)
     models = sub.add_parser("models", help="list model aliases accepted by tl-vllm/<model>")
     models.set_defaults(func=_models)
+    extract = sub.add_parser("extract-vector", help="steering vector from contrastive prompt pairs (JSONL)")
+    extract.add_argument("pairs", help='JSONL file, one {"positive": ..., "negative": ...} per line')
+    extract.add_argument("--model", default="smollm2")
+    extract.add_argument("--hook", action="append", required=True, help="hook point (repeatable)")
+    extract.add_argument("--reduce", default="mean", choices=["mean", "last"])
+    extract.add_argument("--dtype", default="auto", help="engine dtype (vLLM's 'auto' runs fp32 models in bf16)")
+    extract.add_argument("--out", required=True, help="output .safetensors (one tensor per hook point)")
+    extract.set_defaults(func=_extract_vector)
     demo = sub.add_parser("demo", help="steered, captured generation on the default model")
     demo.add_argument("--model", default="smollm2")
     demo.add_argument("--coef", type=float, default=1.0)

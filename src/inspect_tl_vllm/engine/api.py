@@ -35,10 +35,11 @@ class Generation:
 
 
 def cpu_defaults(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Engine settings that make vLLM's CPU build practical (a small KV cache), unless given."""
+    """Engine settings that make vLLM's CPU build practical, unless given: a small KV cache
+    (it would take most of RAM) and eager mode (compiling costs a minute and gains little)."""
     if torch.cuda.is_available():
         return engine_kwargs
-    return {"kv_cache_memory_bytes": 256 << 20, **engine_kwargs}
+    return {"kv_cache_memory_bytes": 256 << 20, "enforce_eager": True, **engine_kwargs}
 
 
 class Engine:

@@ -1,0 +1,71 @@
+"""Contrastive activation addition: a steering vector from pairs of prompts.
+
+Each line of a JSONL file is ``{"positive": ..., "negative": ...}`` where each side is a
+string or a list of chat messages.  The vector at each hook point is the mean over pairs of
+(activation of positive - activation of negative), each side reduced over its tokens
+(``mean`` or ``last``), captured by the instrumented engine itself so that it lives in
+exactly the space the engine steers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from inspect_tl_vllm.specs import SpecError
+
+
+def read_pairs(path: Path) -> list[tuple[Any, Any]]:
+    if not path.is_file():
+        raise SpecError(f"pairs file {path} not found")
+    pairs = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except ValueError as err:
+            raise SpecError(f"{path}:{number}: not valid JSON ({err})") from None
+        if not isinstance(item, dict) or "positive" not in item or "negative" not in item:
+            raise SpecError(f"{path}:{number}: each line needs 'positive' and 'negative' (strings or chat messages)")
+        for side in ("positive", "negative"):
+            value = item[side]
+            if not (isinstance(value, str) and value.strip()) and not (isinstance(value, list) and value):
+                raise SpecError(f"{path}:{number}: '{side}' must be a non-empty string or list of chat messages")
+        pairs.append((item["positive"], item["negative"]))
+    if not pairs:
+        raise SpecError(f"{path}: no pairs")
+    return pairs
+
+
+def extract_vectors(engine: Any, pairs: list[tuple[Any, Any]], hooks: list[str], reduce: str = "mean") -> dict:
+    """Mean difference per hook point (float32 tensors of the model's hidden size)."""
+    import torch
+
+    if reduce not in ("mean", "last"):
+        raise SpecError(f"reduce: {reduce!r}; use 'mean' or 'last'")
+    prompts = [side for pair in pairs for side in pair]
+    results = engine.generate(prompts, capture={"hooks": hooks, "reduce": reduce}, max_tokens=1)
+    vectors = {}
+    for hook in hooks:
+        rows = torch.stack([r.activations[hook][0].float() for r in results])
+        vectors[hook] = (rows[0::2] - rows[1::2]).mean(dim=0)
+    return vectors
+
+
+def save_vectors(vectors: dict, path: Path, *, model: str, count: int, reduce: str) -> None:
+    from safetensors.torch import save_file
+
+    from inspect_tl_vllm.specs import parse_hook_point
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "model": model,
+        "count": str(count),
+        "reduce": reduce,
+        "hooks": json.dumps(
+            {h: {"layer": parse_hook_point(h)[0], "norm": float(v.norm())} for h, v in vectors.items()}
+        ),
+    }
+    save_file({h: v.contiguous() for h, v in vectors.items()}, str(path), metadata=meta)
