@@ -1,46 +1,76 @@
-"""A steered, captured eval on the default model: the README's main job.
+"""Steering tasks on the default model: the README's main job and the coefficient sweep.
 
     inspect eval evals/steering_demo.py --model tl-vllm/smollm2 \
         -M steer=evals/steer_ocean.yaml -M capture=blocks.12.hook_resid_post -M capture_reduce=mean
 
-Each sample asks a short everyday question; the scorer checks whether the answer talks about
-the sea.  Without steering few answers do; with the ocean vector added at layer 12 most do.
-The vector (evals/vectors/smollm2_ocean_l12.safetensors) comes from `tl-vllm demo --save-vector`.
+    tl-vllm sweep evals/steering_demo.py@steering_sweep --coef 0,0.5,1,2 --controls 2 --log-dir logs/sweep
+    tl-vllm report logs/sweep
+
+Each sample asks an everyday question; the scorer checks whether the answer talks about the
+sea.  The vector (evals/vectors/smollm2_ocean_l12.safetensors) is the mean residual stream
+at layer 12 of an ocean prompt minus a neutral one (`tl-vllm demo --save-vector`).
 """
 
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 from inspect_ai import Task, task
-from inspect_ai.dataset import Sample
+from inspect_ai.dataset import json_dataset
 from inspect_ai.model import GenerateConfig
-from inspect_ai.scorer import Score, Target, accuracy, scorer
+from inspect_ai.scorer import Score, Target, accuracy, scorer, stderr
 from inspect_ai.solver import TaskState, generate
 
-OCEAN = re.compile(r"\b(ocean|sea|seas|waves?|beach|sail\w*|water|whales?|fish|coast\w*|tides?|marine)\b")
-QUESTIONS = [
-    "Tell me about your weekend.",
-    "What should I cook for dinner?",
-    "Describe your favourite place.",
-    "What is a good hobby?",
-    "Write one sentence about a city.",
-    "What did you dream about?",
-]
+from inspect_tl_vllm.solvers import steer
+
+HERE = Path(__file__).resolve().parent
+VECTOR = HERE / "vectors" / "smollm2_ocean_l12.safetensors"
+OCEAN = re.compile(r"\b(ocean|oceans|sea|seas|waves?|beach\w*|sail\w*|water|whales?|fish|coast\w*|tides?|marine)\b")
 
 
-@scorer(metrics=[accuracy()])
+@scorer(metrics=[accuracy(), stderr()])
 def mentions_ocean():
     async def score(state: TaskState, target: Target) -> Score:
-        text = state.output.completion.lower()
-        hit = OCEAN.search(text) is not None
-        return Score(value=1 if hit else 0, answer=state.output.completion)
+        text = state.output.completion
+        return Score(value=1 if OCEAN.search(text.lower()) else 0, answer=text)
 
     return score
 
 
+def questions(limit: int | None = None):
+    return json_dataset(str(HERE / "data" / "everyday_questions.jsonl"), limit=limit)
+
+
 @task
 def steering_demo(max_tokens: int = 40) -> Task:
-    samples = [Sample(id=f"q{i}", input=q) for i, q in enumerate(QUESTIONS)]
-    config = GenerateConfig(max_tokens=max_tokens, temperature=0.0)
-    return Task(dataset=samples, solver=generate(), scorer=mentions_ocean(), config=config)
+    """Six questions; steering and capture come from the model args (-M steer, -M capture)."""
+    return Task(
+        dataset=questions(limit=6),
+        solver=generate(),
+        scorer=mentions_ocean(),
+        config=GenerateConfig(max_tokens=max_tokens, temperature=0.0),
+    )
+
+
+@task
+def steering_sweep(
+    coef: float = 1.0,
+    layer: int = 12,
+    control_seed: int | None = None,
+    vector: str = str(VECTOR),
+    max_tokens: int = 40,
+) -> Task:
+    """One point of a sweep: the vector (or, with control_seed, a random direction of the same
+    norm) added at blocks.{layer}.hook_resid_post with coefficient ``coef``."""
+    from inspect_tl_vllm.controls import random_like
+
+    path = random_like(vector, control_seed) if control_seed is not None else vector
+    hook = f"blocks.{layer}.hook_resid_post"
+    solver = steer(interventions=[{"hook": hook, "vector": path, "coef": coef}]) if coef else generate()
+    return Task(
+        dataset=questions(),
+        solver=solver,
+        scorer=mentions_ocean(),
+        config=GenerateConfig(max_tokens=max_tokens, temperature=0.0),
+    )

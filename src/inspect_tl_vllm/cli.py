@@ -61,6 +61,27 @@ def _extract_vector(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sweep(args: argparse.Namespace) -> int:
+    from inspect_tl_vllm.sweep import run_sweep, sweep_points
+
+    model_args = dict(item.split("=", 1) for item in args.M)
+    points = sweep_points(
+        [float(c) for c in args.coef.split(",")], [int(x) for x in args.layer.split(",")], args.controls
+    )
+    run_sweep(args.task, points, model=args.model, model_args=model_args, log_dir=args.log_dir, limit=args.limit)
+    print(f"sweep: done; run `tl-vllm report {args.log_dir}`")
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from inspect_tl_vllm.sweep import report
+
+    table, png = report(args.log_dir)
+    print(table)
+    print(f"report: plot {png}; table {png.with_suffix('.md')}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tl-vllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -78,6 +99,19 @@ def main(argv: list[str] | None = None) -> int:
     extract.add_argument("--dtype", default="auto", help="engine dtype (vLLM's 'auto' runs fp32 models in bf16)")
     extract.add_argument("--out", required=True, help="output .safetensors (one tensor per hook point)")
     extract.set_defaults(func=_extract_vector)
+    sweep = sub.add_parser("sweep", help="one eval per coefficient/layer/control point, one shared engine")
+    sweep.add_argument("task", help="task reference, e.g. evals/steering_demo.py@steering_sweep")
+    sweep.add_argument("--model", default="tl-vllm/smollm2")
+    sweep.add_argument("--coef", default="0,0.5,1,2", help="comma-separated coefficients")
+    sweep.add_argument("--layer", default="12", help="comma-separated layers")
+    sweep.add_argument("--controls", type=int, default=2, help="random-direction controls per point")
+    sweep.add_argument("--limit", type=int, default=None, help="samples per point")
+    sweep.add_argument("-M", action="append", default=[], help="model arg KEY=VALUE (repeatable)")
+    sweep.add_argument("--log-dir", default="logs/sweep")
+    sweep.set_defaults(func=_sweep)
+    rep = sub.add_parser("report", help="table and PNG of score against coefficient from a sweep's logs")
+    rep.add_argument("log_dir")
+    rep.set_defaults(func=_report)
     demo = sub.add_parser("demo", help="steered, captured generation on the default model")
     demo.add_argument("--model", default="smollm2")
     demo.add_argument("--coef", type=float, default=1.0)

@@ -17,7 +17,7 @@ from inspect_tl_vllm.specs import SpecError
 
 def load_vector(ref: list[float] | str, width: int, *, where: str = "vector") -> torch.Tensor:
     """A 1-D float32 vector of ``width`` finite entries, or a SpecError naming ``where``."""
-    vector = torch.tensor(ref, dtype=torch.float32) if isinstance(ref, list) else _from_file(ref, where)
+    vector = torch.tensor(ref, dtype=torch.float32) if isinstance(ref, list) else read_vector_file(ref, where)
     vector = vector.squeeze()
     if vector.ndim != 1:
         raise SpecError(f"{where}: expected a 1-D vector, got shape {tuple(vector.shape)}")
@@ -31,7 +31,7 @@ def load_vector(ref: list[float] | str, width: int, *, where: str = "vector") ->
     return vector.to(torch.float32).contiguous()
 
 
-def _from_file(ref: str, where: str) -> torch.Tensor:
+def read_vector_file(ref: str, where: str = "vector") -> torch.Tensor:
     path_text, _, key = ref.partition(":") if ref.count(":") == 1 and not Path(ref).exists() else (ref, "", "")
     path = Path(path_text).expanduser()
     if not path.is_file():
