@@ -48,12 +48,20 @@ def run_sweep(
 
 
 def is_degenerate(text: str) -> bool:
-    """Repetitive output: it compresses far better than language does, or one word dominates."""
+    """Repetitive output: it compresses far better than language does, or a repeated word,
+    pair or triple of words makes up most of it."""
     if len(text) < 40:
         return False
+    if len(zlib.compress(text.encode())) / len(text.encode()) < 0.3:
+        return True
     words = text.lower().split()
-    top = max((words.count(w) for w in set(words)), default=0)
-    return len(zlib.compress(text.encode())) / len(text.encode()) < 0.3 or (len(words) >= 8 and top > len(words) / 2)
+    for n in (1, 2, 3):
+        grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+        if grams:
+            top = max(grams.count(g) for g in set(grams))
+            if top >= 4 and top * n > len(words) / 2:
+                return True
+    return False
 
 
 @dataclass
