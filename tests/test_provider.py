@@ -187,6 +187,13 @@ def test_inspect_eval_command_line(vllm_ready, tiny_llama_dir, tmp_path):
     records = activations.load(logs[0])
     assert sorted(r.sample_id for r in records) == [1, 2]
     assert all(r.activations[HOOK].shape == (1, 64) for r in records)
+    from inspect_tl_vllm.cli import main
+
+    assert main(["activations", str(logs[0]), "--export", str(tmp_path / "acts.npz")]) == 0
+    import numpy as np
+
+    exported = np.load(tmp_path / "acts.npz")
+    assert exported[f"1/1/{HOOK}"].shape == (1, 64) and "__scores__" in exported
 
 
 def test_chat_rendering_continues_a_final_assistant_message_and_refuses_tools(provider_args, tiny_llama_dir, tmp_path):
@@ -221,3 +228,25 @@ def test_unknown_model_arg_is_named(tiny_llama_dir):
 
     with pytest.raises(SpecError, match="unknown model args \\['max_len'\\]"):
         TLVLLMAPI(str(tiny_llama_dir), max_len=5)
+
+
+def test_probe_scorer_reads_the_stored_activations(provider_args, tiny_llama_dir, tmp_path):
+    from inspect_tl_vllm import activations
+    from inspect_tl_vllm.probes import probe_scorer, probe_value, save_probe
+
+    torch.manual_seed(5)
+    weight, bias = torch.randn(64) * 0.1, torch.tensor(0.2)
+    probe = tmp_path / "probe.safetensors"
+    save_probe(probe, weight, bias, HOOK)
+    task = Task(
+        dataset=[Sample(id=i, input=q) for i, q in enumerate(QUESTIONS[:2])],
+        solver=generate(),
+        scorer=probe_scorer(str(probe)),
+        config=GenerateConfig(max_tokens=4, temperature=0.0),
+    )
+    log = eval(
+        task, model=f"tl-vllm/{tiny_llama_dir}", model_args=provider_args, log_dir=str(tmp_path), display="none"
+    )[0]
+    stored = {r.sample_id: r.activations for r in activations.load(log)}
+    for sample in log.samples:
+        assert sample.scores["probe_scorer"].value == pytest.approx(probe_value(stored[sample.id], weight, bias, HOOK))

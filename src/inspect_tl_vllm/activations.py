@@ -55,19 +55,38 @@ def load(log: str | Path | Any, activations_dir: str | None = None, verify: bool
     return records
 
 
+def export_npz(records: list[SampleActivations], path: str | Path) -> int:
+    """Write every record's arrays to one ``.npz`` (keys ``<sample id>/<epoch>/<hook>``) plus a
+    ``__scores__`` JSON string; returns the number of arrays."""
+    import json
+
+    import numpy as np
+
+    arrays = {
+        f"{r.sample_id}/{r.epoch}/{hook}": t.float().numpy() for r in records for hook, t in r.activations.items()
+    }
+    scores = [{"sample_id": r.sample_id, "epoch": r.epoch, "scores": r.scores} for r in records]
+    np.savez(path, __scores__=np.array(json.dumps(scores, default=str)), **arrays)
+    return len(arrays)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m inspect_tl_vllm.activations LOG``: list what a log's samples captured."""
+    """List (or export) the activations an eval log's samples captured."""
     import argparse
 
-    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser = argparse.ArgumentParser(prog="tl-vllm activations", description=main.__doc__)
     parser.add_argument("log")
     parser.add_argument("--activations-dir", default=None)
+    parser.add_argument("--export", default=None, help="write all arrays and scores to this .npz file")
     args = parser.parse_args(argv)
     records = load(args.log, args.activations_dir)
     for record in records:
         shapes = ", ".join(f"{hook} {tuple(t.shape)}" for hook, t in record.activations.items())
         print(f"sample {record.sample_id!r} epoch {record.epoch} scores {record.scores}: {shapes}")
     print(f"{len(records)} samples with activations")
+    if args.export:
+        count = export_npz(records, args.export)
+        print(f"exported {count} arrays to {args.export}")
     return 0
 
 

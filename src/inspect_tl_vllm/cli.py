@@ -1,4 +1,4 @@
-"""``tl-vllm``: command-line entry point (model preparation, aliases, demo generation)."""
+"""``tl-vllm``: model preparation, aliases, vector extraction, sweeps, reports, activations, demo."""
 
 from __future__ import annotations
 
@@ -83,6 +83,11 @@ def _report(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["activations"]:  # its own parser: list or export a log's activations
+        from inspect_tl_vllm.activations import main as activations_main
+
+        return activations_main(argv[1:])
     parser = argparse.ArgumentParser(prog="tl-vllm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare-model", help="convert the default model (SmolLM2) from its PyPI GGUF")
@@ -112,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="table and PNG of score against coefficient from a sweep's logs")
     rep.add_argument("log_dir")
     rep.set_defaults(func=_report)
+    sub.add_parser("activations", help="list or export (--export FILE.npz) the activations of an eval log")
     demo = sub.add_parser("demo", help="steered, captured generation on the default model")
     demo.add_argument("--model", default="smollm2")
     demo.add_argument("--coef", type=float, default=1.0)
