@@ -250,3 +250,22 @@ def test_probe_scorer_reads_the_stored_activations(provider_args, tiny_llama_dir
     stored = {r.sample_id: r.activations for r in activations.load(log)}
     for sample in log.samples:
         assert sample.scores["probe_scorer"].value == pytest.approx(probe_value(stored[sample.id], weight, bias, HOOK))
+
+
+def test_activation_logging_task_stores_prompt_last_rows(provider_args, tiny_llama_dir, tmp_path, monkeypatch):
+    from inspect_tl_vllm import activations
+
+    monkeypatch.chdir(ROOT)
+    log = eval(
+        "evals/activation_logging.py",
+        task_args={"hooks": HOOK},
+        model=f"tl-vllm/{tiny_llama_dir}",
+        model_args=provider_args,
+        log_dir=str(tmp_path),
+        limit=3,
+        display="none",
+    )[0]
+    assert log.status == "success" and len(log.samples) == 3
+    records = activations.load(log)
+    assert len(records) == 3 and all(r.activations[HOOK].shape == (1, 64) for r in records)
+    assert all(r.index["hooks"][HOOK]["tokens"] > 5 for r in records)  # the whole prompt was seen

@@ -112,6 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--controls", type=int, default=2, help="random-direction controls per point")
     sweep.add_argument("--limit", type=int, default=None, help="samples per point")
     sweep.add_argument("-M", action="append", default=[], help="model arg KEY=VALUE (repeatable)")
+    sweep.add_argument("-T", action="append", default=[], help="task arg KEY=VALUE for every point (repeatable)")
     sweep.add_argument("--log-dir", default="logs/sweep")
     sweep.set_defaults(func=_sweep)
     rep = sub.add_parser("report", help="table and PNG of score against coefficient from a sweep's logs")

@@ -39,7 +39,7 @@ def cpu_defaults(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     (it would take most of RAM) and eager mode (compiling costs a minute and gains little)."""
     if torch.cuda.is_available():
         return engine_kwargs
-    return {"kv_cache_memory_bytes": 256 << 20, "enforce_eager": True, **engine_kwargs}
+    return {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, **engine_kwargs}
 
 
 class Engine:
