@@ -62,9 +62,12 @@ def steering_sweep(
     max_tokens: int = 40,
 ) -> Task:
     """One point of a sweep: the vector (or, with control_seed, a random direction of the same
-    norm) added at blocks.{layer}.hook_resid_post with coefficient ``coef``."""
+    norm) added at blocks.{layer}.hook_resid_post with coefficient ``coef``.  ``vector`` is a
+    file (``path`` or ``path:key``) relative to this file's folder, as Inspect resolves task files."""
     from inspect_tl_vllm.controls import random_like
 
+    # Inspect builds tasks inside the task file's folder: relative paths are relative to it.
+    vector = str(Path(vector).resolve())
     path = random_like(vector, control_seed) if control_seed is not None else vector
     hook = f"blocks.{layer}.hook_resid_post"
     solver = steer(interventions=[{"hook": hook, "vector": path, "coef": coef}]) if coef else generate()

@@ -41,7 +41,8 @@ def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_pat
     from safetensors.torch import save_file
 
     from conftest import environment
-    from inspect_tl_vllm.sweep import report, run_sweep
+    from inspect_tl_vllm.cli import main
+    from inspect_tl_vllm.sweep import report
 
     monkeypatch.setenv("TLVLLM_CACHE", str(tmp_path / "cache"))
     torch.manual_seed(0)
@@ -60,13 +61,32 @@ def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_pat
         "    return Task(dataset=[Sample(input='Hi', target='x'), Sample(input='Bye', target='y')], "
         "solver=solver, scorer=includes())\n"
     )
-    points = [{**p, "vector": str(vector)} for p in sweep_points([0.0, 2.0], [1], controls=1)]
-    model_args = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256}
     monkeypatch.chdir(tmp_path)
+    args = [
+        "sweep",
+        "task.py",
+        "--model",
+        f"tl-vllm/{tiny_llama_dir}",
+        "--coef",
+        "0,2",
+        "--layer",
+        "1",
+        "--controls",
+        "1",
+        "-T",
+        f"vector={vector}",
+        "-M",
+        "enforce_eager=true",
+        "-M",
+        "dtype=float32",
+        "-M",
+        "max_model_len=256",
+        "--log-dir",
+        str(tmp_path / "logs"),
+    ]
     with environment(TORCH_COMPILE_DISABLE="1"):
-        run_sweep(
-            "task.py", points, model=f"tl-vllm/{tiny_llama_dir}", model_args=model_args, log_dir=str(tmp_path / "logs")
-        )
+        assert main(args) == 0
+    assert main(["report", str(tmp_path / "logs")]) == 0
     table, png = report(str(tmp_path / "logs"))
     assert png.is_file() and png.stat().st_size > 1000
     assert "| 1 | 0 | steering | 2 |" in table and "| 1 | 2 | random control | 2 |" in table

@@ -61,13 +61,28 @@ def _extract_vector(args: argparse.Namespace) -> int:
     return 0
 
 
+def _key_values(items: list[str]) -> dict[str, object]:
+    """KEY=VALUE pairs with YAML values (as Inspect's -M and -T): true, 3, 0.5 or text."""
+    import yaml
+
+    pairs = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"expected KEY=VALUE, got {item!r}")
+        pairs[key] = yaml.safe_load(value)
+    return pairs
+
+
 def _sweep(args: argparse.Namespace) -> int:
     from inspect_tl_vllm.sweep import run_sweep, sweep_points
 
-    model_args = dict(item.split("=", 1) for item in args.M)
+    model_args = _key_values(args.M)
     points = sweep_points(
         [float(c) for c in args.coef.split(",")], [int(x) for x in args.layer.split(",")], args.controls
     )
+    shared = _key_values(args.T)
+    points = [{**shared, **point} for point in points]
     run_sweep(args.task, points, model=args.model, model_args=model_args, log_dir=args.log_dir, limit=args.limit)
     print(f"sweep: done; run `tl-vllm report {args.log_dir}`")
     return 0
