@@ -22,14 +22,27 @@ def main() -> int:
     parser.add_argument("log")
     parser.add_argument("--hook", required=True)
     parser.add_argument("--out", required=True)
+    parser.add_argument("--l2", type=float, default=1e-2, help="weight decay on the standardised weights")
     args = parser.parse_args()
     records = [r for r in activations.load(args.log) if args.hook in r.activations and r.scores]
     features = torch.stack([r.activations[args.hook].float().mean(0) for r in records])
     labels = torch.tensor([float(next(iter(r.scores.values())) in (1, 1.0, "C")) for r in records])
-    weight, bias = train_probe(features, labels)
-    accuracy = float(((features @ weight + bias > 0).float() == labels).float().mean())
+    order = torch.randperm(len(records), generator=torch.Generator().manual_seed(0))
+    held = order[: len(order) // 4]
+    train = order[len(order) // 4 :]
+    weight, bias = train_probe(features[train], labels[train], l2=args.l2)
+
+    def accuracy(idx: torch.Tensor) -> float:
+        return float(((features[idx] @ weight + bias > 0).float() == labels[idx]).float().mean())
+
+    majority = max(float(labels[held].mean()), 1 - float(labels[held].mean()))
+    print(f"probe: {len(records)} samples, {int(labels.sum())} correct; trained on {len(train)}")
+    print(
+        f"probe: accuracy train {accuracy(train):.3f}, held-out {accuracy(held):.3f} "
+        f"(majority baseline {majority:.3f} on {len(held)} held-out samples)"
+    )
+    weight, bias = train_probe(features, labels, l2=args.l2)  # the saved probe uses every sample
     save_probe(args.out, weight, bias, args.hook)
-    print(f"probe: {len(records)} samples, {int(labels.sum())} positive, training accuracy {accuracy:.3f}")
     print(f"probe: saved to {args.out}")
     return 0
 
