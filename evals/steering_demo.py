@@ -1,6 +1,6 @@
 """Steering tasks on the default model: the README's main job and the coefficient sweep.
 
-    inspect eval evals/steering_demo.py --model tl-vllm/smollm2 \
+    inspect eval evals/steering_demo.py@steering_demo --model tl-vllm/smollm2 \
         -M steer=evals/steer_ocean.yaml -M capture=blocks.12.hook_resid_post -M capture_reduce=mean
 
     tl-vllm sweep evals/steering_demo.py@steering_sweep --coef 0,0.5,1,2 --controls 2 --log-dir logs/sweep

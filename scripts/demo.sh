@@ -15,8 +15,8 @@ if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
   export TORCH_COMPILE_DISABLE=1  # CPU: skip minutes of C++ compilation
   echo "demo: no GPU, running on vLLM's CPU build (eager, fp32)"
 fi
-echo "demo: inspect eval evals/steering_demo.py --model tl-vllm/smollm2 ${ARGS[*]} --log-dir $LOG_DIR $*"
-inspect eval evals/steering_demo.py --model tl-vllm/smollm2 "${ARGS[@]}" --log-dir "$LOG_DIR" --display plain "$@"
+echo "demo: inspect eval evals/steering_demo.py@steering_demo --model tl-vllm/smollm2 ${ARGS[*]} --log-dir $LOG_DIR $*"
+inspect eval evals/steering_demo.py@steering_demo --model tl-vllm/smollm2 "${ARGS[@]}" --log-dir "$LOG_DIR" --display plain "$@"
 LOG=$(ls -t "$LOG_DIR"/*.eval | head -n 1)
 echo "demo: log $LOG; activations in ${LOG%.eval}.activations/"
 python -m inspect_tl_vllm.activations "$LOG"
