@@ -165,12 +165,17 @@ def main() -> int:
     if worst_iso > 5e-2 or same_tokens < 0.9 * n:
         failures.append("concurrent requests differ from their solo runs")
     summary["failures"] = failures
+    report(summary, args.out)
+    return 1 if failures else 0
+
+
+def report(summary: dict, out: str | None) -> None:
+    """Print the JSON summary and, if asked, write it to ``out``."""
     text = json.dumps(summary, indent=2)
     print(text)
-    if args.out:
-        with open(args.out, "w") as handle_out:
-            handle_out.write(text)
-    return 1 if failures else 0
+    if out:
+        with open(out, "w") as handle:
+            handle.write(text)
 
 
 if __name__ == "__main__":

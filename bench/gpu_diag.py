@@ -5,11 +5,10 @@ transformers (bf16).  Usage: python bench/gpu_diag.py --out diag.json"""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
 import torch
-from gpu_check import HOOKS, QUESTIONS
+from gpu_check import HOOKS, QUESTIONS, report
 
 PROMPTS = QUESTIONS[:3]
 
@@ -83,11 +82,7 @@ def main() -> int:
             e = float((g.activations[hook].float() - ref.float().cpu()).norm() / ref.float().norm())
             errs[hook] = max(errs.get(hook, 0.0), e)
     out["instrumented_eager_vs_hf_bf16_max_rel_err"] = errs
-    text = json.dumps(out, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text)
+    report(out, args.out)
     return 0
 
 

@@ -26,6 +26,10 @@ TINY = {
 }
 
 
+TINY_MODEL_ARGS_CLI = ["-M", "enforce_eager=true", "-M", "dtype=float32", "-M", "max_model_len=256"]
+"""`-M` flags for an eager fp32 engine on the tiny model, as the command lines take them."""
+
+
 def require(condition: bool, why: str) -> None:
     if not condition:
         (pytest.fail if IN_CI else pytest.skip)(why)

@@ -15,7 +15,7 @@ from inspect_ai.model import GenerateConfig
 from inspect_ai.scorer import exact
 from inspect_ai.solver import generate
 
-from conftest import environment
+from conftest import TINY_MODEL_ARGS_CLI, environment
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parent.parent
@@ -160,12 +160,7 @@ def test_inspect_eval_command_line(vllm_ready, tiny_llama_dir, tmp_path):
         "task.py",
         "--model",
         f"tl-vllm/{tiny_llama_dir}",
-        "-M",
-        "enforce_eager=true",
-        "-M",
-        "dtype=float32",
-        "-M",
-        "max_model_len=256",
+        *TINY_MODEL_ARGS_CLI,
         "-M",
         f"capture={HOOK}",
         "-M",

@@ -40,7 +40,7 @@ def test_sweep_points_pair_every_steered_point_with_controls():
 def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_path, monkeypatch):
     from safetensors.torch import save_file
 
-    from conftest import environment
+    from conftest import TINY_MODEL_ARGS_CLI, environment
     from inspect_tl_vllm.cli import main
     from inspect_tl_vllm.sweep import report
 
@@ -75,12 +75,7 @@ def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_pat
         "1",
         "-T",
         f"vector={vector}",
-        "-M",
-        "enforce_eager=true",
-        "-M",
-        "dtype=float32",
-        "-M",
-        "max_model_len=256",
+        *TINY_MODEL_ARGS_CLI,
         "--log-dir",
         str(tmp_path / "logs"),
     ]
