@@ -264,3 +264,21 @@ def test_activation_logging_task_stores_prompt_last_rows(provider_args, tiny_lla
     records = activations.load(log)
     assert len(records) == 3 and all(r.activations[HOOK].shape == (1, 64) for r in records)
     assert all(r.index["hooks"][HOOK]["tokens"] > 5 for r in records)  # the whole prompt was seen
+
+
+def test_engine_death_fails_samples_clearly_and_the_next_eval_recovers(provider_args, tiny_llama_dir, tmp_path):
+    from inspect_tl_vllm import activations
+    from inspect_tl_vllm.provider import engine_pool
+
+    first = run_eval(tiny_llama_dir, provider_args, [Sample(id="before", input=QUESTIONS[0])], tmp_path / "a")
+    assert first.status == "success"
+    pool_entry = next(e for e in engine_pool._ENGINES.values() if e.booted)
+    process = pool_entry._core.engine.engine_core.resources.engine_manager.processes[0]
+    process.kill()
+    process.join(timeout=30)
+    samples = [Sample(id=f"during{i}", input=q) for i, q in enumerate(QUESTIONS[:2])]
+    during = run_eval(tiny_llama_dir, provider_args, samples, tmp_path / "b", fail_on_error=False)
+    assert all(s.error is not None and "the vLLM engine died" in s.error.message for s in during.samples)
+    assert [r.sample_id for r in activations.load(first)] == ["before"]  # completed work stays on disk
+    after = run_eval(tiny_llama_dir, provider_args, [Sample(id="after", input=QUESTIONS[1])], tmp_path / "c")
+    assert after.status == "success" and after.samples[0].output.completion

@@ -101,7 +101,16 @@ class TLVLLMAPI(ModelAPI):
 
             check_writable(activations_dir_for(active.log_location, active.eval_id, self.settings.activations_dir))
         params = self._sampling_params(config, max_tokens, prepared)
-        final, payload = await self.engine.run(lambda: self._run(core, prompt_ids, params, prepared))
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        try:
+            final, payload = await self.engine.run(lambda: self._run(core, prompt_ids, params, prepared))
+        except EngineDeadError as err:
+            self.engine.discard(core)
+            raise RuntimeError(
+                f"{where}: the vLLM engine died ({err}). Samples completed before this point kept their "
+                "activations on disk; finish the rest with `inspect eval-retry <log>` (a new engine boots)."
+            ) from err
         output = self._model_output(final, tools)
         if prepared is not None:
             output.metadata = {TAG: self._record(core, payload, prepared, active, where)}

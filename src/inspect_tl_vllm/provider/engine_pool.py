@@ -67,6 +67,14 @@ class EngineThread:
         future = asyncio.run_coroutine_threadsafe(make(), self._start())
         return await asyncio.wrap_future(future)
 
+    def discard(self, core: InstrumentedLLM) -> None:
+        """Drop a dead engine so the next request boots a fresh one (once, however many
+        in-flight requests report the death)."""
+        if self._core is core:
+            self._core = None
+            with contextlib.suppress(Exception):
+                core.engine.shutdown()
+
     def close(self) -> None:
         if self.loop is None:
             return
