@@ -72,13 +72,11 @@ def probe_scorer(probe: str) -> Any:
     weight, bias, hook = load_probe(probe)
 
     async def score(state: TaskState, target: Target) -> Score:
-        from inspect_tl_vllm.storage import read_index, read_sample
+        from inspect_tl_vllm.storage import read_sample
 
         stored = (state.output.metadata or {}).get(TAG, {}).get("activations", {})
         if "dir" not in stored:
             raise SpecError(f"probe_scorer: sample {state.sample_id!r} has no stored activations; capture {hook}")
-        directory = Path(stored["dir"])
-        entry = next(e for e in read_index(directory) if e["file"] == stored["file"])
-        return Score(value=probe_value(read_sample(directory, entry), weight, bias, hook))
+        return Score(value=probe_value(read_sample(Path(stored["dir"]), stored), weight, bias, hook))
 
     return score

@@ -1,4 +1,4 @@
-"""Python API for notebooks and scripts, on the same core as the Inspect provider::
+"""Python API for notebooks and scripts, on the same core as the Inspect provider (example):
 
 engine = inspect_tl_vllm.boot("smollm2")
 out = engine.generate(["Hello"], capture={"hooks": ["blocks.6.hook_resid_post"]},

@@ -31,9 +31,14 @@ def load_vector(ref: list[float] | str, width: int, *, where: str = "vector") ->
     return vector.to(torch.float32).contiguous()
 
 
-def read_vector_file(ref: str, where: str = "vector") -> torch.Tensor:
+def split_vector_ref(ref: str) -> tuple[Path, str]:
+    """``path`` or ``path:key`` -> (file path, tensor key or "")."""
     path_text, _, key = ref.partition(":") if ref.count(":") == 1 and not Path(ref).exists() else (ref, "", "")
-    path = Path(path_text).expanduser()
+    return Path(path_text).expanduser(), key
+
+
+def read_vector_file(ref: str, where: str = "vector") -> torch.Tensor:
+    path, key = split_vector_ref(ref)
     if not path.is_file():
         raise SpecError(f"{where}: vector file {str(path)!r} not found")
     suffix = path.suffix.lower()

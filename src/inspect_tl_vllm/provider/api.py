@@ -65,6 +65,7 @@ class TLVLLMAPI(ModelAPI):
         if template and Path(template).expanduser().is_file():
             template = Path(template).expanduser().read_text()
         self.chat_template = template
+        self._writable_dirs: set[Path] = set()
 
     def max_connections(self) -> int:
         return 64  # continuous batching: many samples in flight at once
@@ -97,9 +98,7 @@ class TLVLLMAPI(ModelAPI):
         if prepared is not None and (config.num_choices or 1) > 1:
             raise SpecError(f"{where}: num_choices > 1 with steering or capture is not supported")
         if prepared is not None and active is not None and spec is not None and spec.capture is not None:
-            from inspect_tl_vllm.storage import activations_dir_for, check_writable
-
-            check_writable(activations_dir_for(active.log_location, active.eval_id, self.settings.activations_dir))
+            self._activations_dir(active)  # fail before generation if it cannot be written
         params = self._sampling_params(config, max_tokens, prepared)
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -247,9 +246,9 @@ class TLVLLMAPI(ModelAPI):
             }
             record["activations"] = {"hooks": summary}
             if active is not None:
-                from inspect_tl_vllm.storage import activations_dir_for, write_sample
+                from inspect_tl_vllm.storage import write_sample
 
-                directory = activations_dir_for(active.log_location, active.eval_id, self.settings.activations_dir)
+                directory = self._activations_dir(active)
                 entry = write_sample(
                     directory,
                     eval_id=active.eval_id,
@@ -263,8 +262,18 @@ class TLVLLMAPI(ModelAPI):
                         "reduce": prepared.spec.capture.reduce if prepared.spec.capture else None,
                     },
                 )
-                record["activations"].update({"dir": str(directory), "file": entry["file"]})
+                record["activations"].update({"dir": str(directory), "file": entry["file"], "sha256": entry["sha256"]})
         return record
+
+    def _activations_dir(self, active: Any) -> Path:
+        """This eval's activations folder, checked for write access once per folder."""
+        from inspect_tl_vllm.storage import activations_dir_for, check_writable
+
+        directory = activations_dir_for(active.log_location, active.eval_id, self.settings.activations_dir)
+        if directory not in self._writable_dirs:
+            check_writable(directory)
+            self._writable_dirs.add(directory)
+        return directory
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:

@@ -59,8 +59,11 @@ class ProviderSettings:
         for item in spec["interventions"]:
             vector = item.get("vector")
             if isinstance(vector, str) and not vector.startswith("sha256:"):
-                path = Path(vector.rsplit(":", 1)[0] if not Path(vector).exists() else vector)
-                item["vector"] = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else vector
+                from inspect_tl_vllm.instrument.vectors import split_vector_ref
+
+                path, key = split_vector_ref(vector)
+                if path.is_file():
+                    item["vector"] = [hashlib.sha256(path.read_bytes()).hexdigest(), key]
         text = json.dumps([self.engine_key(model), spec], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
