@@ -109,3 +109,18 @@ def boot_engine(model: Path | str, *, compiled: bool = False, **kwargs: object):
 def tiny_engine(vllm_ready: None, tiny_llama_dir: Path):
     """Eager fp32 engine on the tiny model with every hook point instrumented."""
     return boot_engine(tiny_llama_dir, instrument={"hook_points": ["all"], "max_stack": 2})
+
+
+def assert_batch_matches_solo(engine, prompts: list, specs: list, max_tokens: int = 8) -> list:
+    """Run prompts with their specs in one batch, then each alone: tokens and captures must agree,
+    and one step must have carried at least three differently steered requests."""
+    engine.status()  # restarts the batch-mixing counter
+    together = engine.generate(prompts, specs=specs, max_tokens=max_tokens)
+    assert engine.status()["max_requests_steered_in_one_step"] >= 3
+    for prompt, spec, joint in zip(prompts, specs, together, strict=True):
+        alone = engine.generate([prompt], specs=[spec], max_tokens=max_tokens)[0]
+        assert joint.token_ids == alone.token_ids
+        assert set(joint.activations) == set(alone.activations)
+        for hook, value in alone.activations.items():
+            assert float((joint.activations[hook] - value).norm() / value.norm()) < 1e-5, hook
+    return together

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import boot_engine
+from conftest import assert_batch_matches_solo, boot_engine
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 PROMPTS = ["The quick brown fox jumps over", "Once upon a time", "In a hole in the ground there lived"]
@@ -65,12 +65,4 @@ def test_compiled_mixed_batch_gives_each_request_its_solo_result(compiled_engine
         None,
         {"interventions": [{"hook": "blocks.0.hook_resid_pre", "op": "scale", "coef": 0.5}]},
     ]
-    prompts = [*PROMPTS, PROMPTS[0]]
-    compiled_engine.status()  # restarts the batch-mixing counter
-    together = compiled_engine.generate(prompts, specs=specs, max_tokens=8)
-    assert compiled_engine.status()["max_requests_steered_in_one_step"] >= 3
-    for prompt, spec, joint in zip(prompts, specs, together, strict=True):
-        alone = compiled_engine.generate([prompt], specs=[spec], max_tokens=8)[0]
-        assert joint.token_ids == alone.token_ids
-        for hook, value in alone.activations.items():
-            assert float((joint.activations[hook] - value).norm() / value.norm()) < 1e-5
+    assert_batch_matches_solo(compiled_engine, [*PROMPTS, PROMPTS[0]], specs)

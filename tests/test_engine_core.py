@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import assert_batch_matches_solo
 from hf_reference import hf_activations, hf_greedy, load_hf
 
 pytestmark = pytest.mark.engine
@@ -84,15 +85,7 @@ def test_mixed_batch_gives_each_request_its_solo_result(tiny_engine):
         },
     ]
     prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[2], PROMPTS[3], PROMPTS[0]]
-    tiny_engine.status()  # restarts the batch-mixing counter
-    together = tiny_engine.generate(prompts, specs=specs, max_tokens=8)
-    assert tiny_engine.status()["max_requests_steered_in_one_step"] >= 3
-    for prompt, spec, joint in zip(prompts, specs, together, strict=True):
-        alone = tiny_engine.generate([prompt], specs=[spec], max_tokens=8)[0]
-        assert joint.token_ids == alone.token_ids
-        assert set(joint.activations) == set(alone.activations)
-        for hook, value in alone.activations.items():
-            assert rel_err(joint.activations[hook], value) < 1e-5
+    together = assert_batch_matches_solo(tiny_engine, prompts, specs)
     assert together[0].token_ids != together[4].token_ids
 
 
