@@ -227,8 +227,11 @@ def test_a_hook_that_never_ran_fails_boot_loudly():
 
     # Stand-in for a worker whose compiled graph lost its hooks (cannot be provoked for real).
     controller = SimpleNamespace(
-        runtime=SimpleNamespace(fired=torch.tensor([3, 0])),
-        sites=[SimpleNamespace(name="blocks.0.hook_resid_pre"), SimpleNamespace(name="blocks.0.hook_resid_post")],
+        runtime=SimpleNamespace(fired=lambda: {0: 3, 1: 0}),
+        sites=[
+            SimpleNamespace(index=0, name="blocks.0.hook_resid_pre"),
+            SimpleNamespace(index=1, name="blocks.0.hook_resid_post"),
+        ],
     )
     with pytest.raises(RuntimeError, match=r"never ran during warm-up at \['blocks.0.hook_resid_post'\]"):
         verify_hooks_fired(SimpleNamespace(_tlvllm=controller))

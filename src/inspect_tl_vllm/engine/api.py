@@ -15,10 +15,16 @@ from typing import Any
 import torch
 
 from inspect_tl_vllm.engine.construct import InstrumentedLLM, construct_instrumented_llm
-from inspect_tl_vllm.engine.frontend import CaptureResult, PreparedRequest, max_input_position
+from inspect_tl_vllm.engine.frontend import (
+    CaptureResult,
+    PreparedRequest,
+    max_input_position,
+    merge_fetched,
+    merge_status,
+)
 from inspect_tl_vllm.specs import Capture, Intervention, RequestSpec, parse_request_spec
 
-Prompt = str | list[dict[str, str]]
+Prompt = str | list[dict[str, str]] | list[int]  # text, chat messages, or token ids
 
 
 @dataclass
@@ -55,6 +61,8 @@ class Engine:
         return self.core.instrumentation.hidden_size
 
     def tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], int):
+            return list(prompt)
         if isinstance(prompt, str):
             return list(self.tokenizer(prompt)["input_ids"])
         return list(
@@ -76,7 +84,8 @@ class Engine:
         """Generate for every prompt; ``specs`` gives each prompt its own spec (else one for all)."""
         from vllm import SamplingParams
 
-        prompts = [prompts] if isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict)) else prompts
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict | int))
+        prompts = [prompts] if single else prompts
         shared = parse_request_spec({"interventions": steering or [], "capture": capture}, "generate()")
         per_prompt = specs if specs is not None else [shared] * len(prompts)
         if len(per_prompt) != len(prompts):
@@ -114,7 +123,7 @@ class Engine:
             for o, r in zip(outputs, prepared, strict=True)
             if r is not None
         ]
-        fetched = iter(self.llm.collective_rpc("tlvllm_fetch", args=(wanted,))[0] if wanted else [])
+        fetched = iter(merge_fetched(self.llm.collective_rpc("tlvllm_fetch", args=(wanted,))) if wanted else [])
         results = []
         for i, (out, request) in enumerate(zip(outputs, prepared, strict=True)):
             completion = out.outputs[0]
@@ -130,7 +139,7 @@ class Engine:
         return results
 
     def status(self) -> dict[str, Any]:
-        return self.llm.collective_rpc("tlvllm_status")[0]
+        return merge_status(self.llm.collective_rpc("tlvllm_status"))
 
 
 def boot(model: str = "smollm2", *, instrument: Any = None, **engine_kwargs: Any) -> Engine:

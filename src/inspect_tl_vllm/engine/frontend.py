@@ -174,3 +174,69 @@ class Instrumentation:
 def max_input_position(prompt_len: int, num_generated: int) -> int:
     """The last position that was an *input* token: the final generated token never is."""
     return prompt_len + max(num_generated, 1) - 2
+
+
+def merge_fetched(per_worker: list[list[dict[str, Any] | None] | None]) -> list[dict[str, Any] | None]:
+    """One result per wanted request from every worker's answer to ``tlvllm_fetch``.
+
+    Tensor-parallel ranks other than 0 answer None (they hold the same residual stream);
+    pipeline stages each answer for the hook points and interventions of their own layers,
+    and those parts are merged here.  A request some stage has no record of is None.
+    """
+    answers = [answer for answer in per_worker if answer is not None]
+    if not answers:
+        raise RuntimeError("tl-vllm: no worker records captures (is tensor-parallel rank 0 instrumented?)")
+    return [_merge_parts(list(parts)) for parts in zip(*answers, strict=True)]
+
+
+def _merge_parts(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+    if any(part is None for part in parts):
+        return None
+    if len(parts) == 1:
+        return parts[0]
+    from safetensors.torch import load, save
+
+    tensors: dict[str, torch.Tensor] = {}
+    receipt: dict[str, Any] = {"interventions": [], "captures": {}, "error": None}
+    positions: dict[str, list[int]] = {}
+    for part in parts:
+        assert part is not None
+        if part["tensors"]:
+            tensors.update(load(part["tensors"]))
+        positions.update(part["positions"])
+        receipt["interventions"].extend(part["receipt"]["interventions"])
+        receipt["captures"].update(part["receipt"]["captures"])
+        receipt["error"] = receipt["error"] or part["receipt"]["error"]
+    receipt["interventions"].sort(key=lambda item: item["index"])
+    return {
+        "uid": parts[0]["uid"],
+        "receipt": receipt,
+        "positions": positions,
+        "tensors": save(tensors) if tensors else b"",
+    }
+
+
+def merge_status(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
+    """The workers' counters as one: sites and fire counts of the recording ranks, totals of the rest."""
+    recording = [status for status in per_worker if status["collects"]]
+    return {
+        "sites": [name for status in recording for name in status["sites"]],
+        "fired": [count for status in recording for count in status["fired"]],
+        "buffer_bytes": sum(status["buffer_bytes"] for status in per_worker),
+        "vectors": max(status["vectors"] for status in per_worker),
+        "max_requests_steered_in_one_step": max(s["max_requests_steered_in_one_step"] for s in per_worker),
+        "pending_results": sum(status["pending_results"] for status in recording),
+        "workers": len(per_worker),
+        "steps": max(status["steps"] for status in per_worker),
+        "host_seconds": recording[0]["host_seconds"] if len(recording) == 1 else [s["host_seconds"] for s in recording],
+    }
+
+
+def check_sites_landed(instrumentation: Instrumentation, status: dict[str, Any]) -> None:
+    """Every instrumented hook point must have landed on some worker (pipeline stages split them)."""
+    landed = set(status["sites"])
+    missing = sorted({site.name for site in instrumentation.sites.values()} - landed)
+    if missing:
+        raise RuntimeError(
+            f"tl-vllm: hook points {missing[:5]} landed on no worker; this model's pipeline stages do not hold them"
+        )

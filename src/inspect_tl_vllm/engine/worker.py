@@ -16,12 +16,13 @@ Its method names must not exist on vLLM's Worker (vLLM asserts that), hence the 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import torch
 
 from inspect_tl_vllm.engine.config import CONFIG_KEY
-from inspect_tl_vllm.instrument.hookpoints import build_sites, layout_for
+from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, layout_for
 from inspect_tl_vllm.instrument.routing import BatchEntry, RequestState, StepRouter, plan_request
 from inspect_tl_vllm.instrument.runtime import HookRuntime, install_hooks
 from inspect_tl_vllm.specs import TAG
@@ -31,7 +32,12 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class Controller:
-    """Per-worker state: hook runtime, vector bank index, live requests and their results."""
+    """Per-worker state: hook runtime, vector bank index, live requests and their results.
+
+    Under pipeline parallelism a worker hooks only the layers it holds (plus the final norm
+    on the last stage); under tensor parallelism every rank steers (each holds the same
+    residual stream after the all-reduce) and only rank 0 records captures and receipts.
+    """
 
     def __init__(self, runner: Any, settings: dict[str, Any]) -> None:
         model = runner.get_model()
@@ -40,11 +46,13 @@ class Controller:
         layout = layout_for(architecture)
         num_layers = int(hf_config.num_hidden_layers)
         table = build_sites(layout, num_layers, settings["hook_points"])
-        self.sites = sorted({site.index: site for site in table.values()}.values(), key=lambda s: s.index)
         inner = model.model
+        every_site = sorted({site.index: site for site in table.values()}.values(), key=lambda s: s.index)
+        self.sites = [site for site in every_site if _holds(inner, site)]
+        self.owned = {site.index for site in self.sites}
         device = next(model.parameters()).device
         self.runtime = HookRuntime(
-            num_sites=len(self.sites),
+            site_indices=sorted(self.owned),
             hidden_size=int(hf_config.hidden_size),
             max_tokens=int(runner.max_num_tokens),
             max_stack=int(settings["max_stack"]),
@@ -53,52 +61,64 @@ class Controller:
             act_dtype=runner.model_config.dtype,
         )
         self.handles = install_hooks(inner.layers, inner.norm, self.sites, self.runtime)
-        self.router = StepRouter(self.runtime)
+        self.router = StepRouter(self.runtime, collect=_tensor_parallel_rank() == 0)
         self.runner = runner
         self.bank_rows: dict[str, int] = {}
-        self.live: dict[str, RequestState | None] = {}  # vLLM request id -> state (None: plain)
+        self.live: dict[str, RequestState] = {}  # vLLM request id -> state, instrumented requests only
         self.results: dict[str, RequestState] = {}  # uid -> state, until fetched
+        self.host_seconds = {"route": 0.0, "harvest": 0.0}  # where this worker's own host time goes
+        self.steps = 0
         log.info(
-            "tl-vllm: %d hook sites on %s, %.1f MiB of buffers",
+            "tl-vllm: %d of %d hook sites on this worker (%s), %.1f MiB of buffers",
             len(self.sites),
+            len(every_site),
             architecture,
             self.runtime.memory_bytes() / 2**20,
         )
 
     # -- per step -------------------------------------------------------------------------
     def before_forward(self, scheduler_output: Any) -> None:
+        """Route the step: only instrumented requests are looked at, so plain traffic costs nothing."""
+        started = time.perf_counter()
         for req_id in scheduler_output.finished_req_ids:
             self.live.pop(req_id, None)
-        batch = self.runner.input_batch
-        scheduled = scheduler_output.num_scheduled_tokens
+        for new in scheduler_output.scheduled_new_reqs:
+            self._register(new.req_id)
         entries = []
-        start = 0
-        for i, req_id in enumerate(batch.req_ids):
-            count = int(scheduled[req_id])
-            state = self._state_for(req_id)
-            if state is not None:
-                entries.append(BatchEntry(state, start, count, int(batch.num_computed_tokens_cpu[i])))
-            start += count
+        if self.live:
+            batch = self.runner.input_batch
+            row_starts = self.runner.query_start_loc.np
+            for req_id, state in self.live.items():
+                i = batch.req_id_to_index.get(req_id)
+                if i is None:  # preempted, or not scheduled in this step
+                    continue
+                start = int(row_starts[i])
+                count = int(row_starts[i + 1]) - start
+                if count:
+                    entries.append(BatchEntry(state, start, count, int(batch.num_computed_tokens_cpu[i])))
         self.router.begin_step(entries)
+        self.steps += 1
+        self.host_seconds["route"] += time.perf_counter() - started
 
     def after_forward(self) -> None:
+        started = time.perf_counter()
         self.router.end_step()
+        self.host_seconds["harvest"] += time.perf_counter() - started
 
-    def _state_for(self, req_id: str) -> RequestState | None:
-        if req_id in self.live:
-            return self.live[req_id]
+    def _register(self, req_id: str) -> None:
         request = self.runner.requests[req_id]
-        wire = (request.sampling_params.extra_args or {}).get(TAG) if request.sampling_params else None
-        state = None
-        if wire:
-            try:
-                state = plan_request(wire, request.num_prompt_tokens, self.bank_rows)
-            except (KeyError, ValueError) as err:
-                state = RequestState(uid=wire["uid"], prompt_len=request.num_prompt_tokens, steer=[], capture=[])
-                state.error = f"instrumentation refused this request: {err}"
-            self.results[state.uid] = state
+        params = request.sampling_params
+        wire = (params.extra_args or {}).get(TAG) if params is not None else None
+        if not wire:
+            return
+        try:
+            state = plan_request(wire, request.num_prompt_tokens, self.bank_rows, self.owned)
+        except (KeyError, ValueError) as err:
+            state = RequestState(uid=wire["uid"], prompt_len=request.num_prompt_tokens, steer=[], capture=[])
+            state.error = f"instrumentation refused this request: {err}"
         self.live[req_id] = state
-        return state
+        if self.router.collect:
+            self.results[state.uid] = state
 
     # -- RPC ------------------------------------------------------------------------------
     def put_vectors(self, blob: bytes) -> int:
@@ -117,7 +137,11 @@ class Controller:
             self.bank_rows[key] = row
         return len(self.bank_rows)
 
-    def fetch(self, wanted: list[list[Any]]) -> list[dict[str, Any] | None]:
+    def fetch(self, wanted: list[list[Any]]) -> list[dict[str, Any] | None] | None:
+        """Results per wanted uid; None from a rank that records nothing (TP rank > 0)."""
+        if not self.router.collect:
+            return None
+        self.router.drain()
         return [self._pack(uid, int(max_pos)) for uid, max_pos in wanted]
 
     def _pack(self, uid: str, max_pos: int) -> dict[str, Any] | None:
@@ -131,13 +155,12 @@ class Controller:
         positions: dict[str, list[int]] = {}
         for item in state.capture:
             if state.reduce == "none":
-                kept = sorted(p for p in item.rows if p <= max_pos)
+                kept, rows = item.per_token(max_pos)
                 positions[item.hook] = kept
-                if kept:
-                    rows = [torch.from_numpy(item.rows[p]) for p in kept]
-                    tensors[item.hook] = torch.stack(rows).to(dtype)
-                else:
-                    tensors[item.hook] = torch.zeros(0, self.runtime.hidden_size, dtype=dtype)
+                width = self.runtime.hidden_size
+                tensors[item.hook] = (
+                    torch.zeros(0, width, dtype=dtype) if rows is None else torch.from_numpy(rows).to(dtype)
+                )
             elif item.count:
                 row = item.total / item.count if state.reduce == "mean" else item.best
                 tensors[item.hook] = torch.from_numpy(row).to(torch.float32).to(dtype).unsqueeze(0)
@@ -150,15 +173,39 @@ class Controller:
 
     def status(self) -> dict[str, Any]:
         """Counters for checks and tests; the batch-mixing maximum restarts at each call."""
+        self.router.drain()
         steered, self.router.max_requests_steered_in_one_step = self.router.max_requests_steered_in_one_step, 0
+        fired = self.runtime.fired()
         return {
             "sites": [site.name for site in self.sites],
-            "fired": self.runtime.fired.cpu().tolist(),
+            "fired": [fired[site.index] for site in self.sites],
             "buffer_bytes": self.runtime.memory_bytes(),
             "vectors": len(self.bank_rows),
             "max_requests_steered_in_one_step": steered,
             "pending_results": len(self.results),
+            "collects": self.router.collect,
+            "steps": self.steps,
+            "host_seconds": {key: round(value, 3) for key, value in self.host_seconds.items()},
         }
+
+
+def _holds(inner: Any, site: Site) -> bool:
+    """Whether this pipeline stage runs the module a site hooks (all of them without PP)."""
+    if site.layer is None:
+        return not _is_missing(inner.norm)
+    start = getattr(inner, "start_layer", 0)
+    end = getattr(inner, "end_layer", len(inner.layers))
+    return start <= site.layer < end and not _is_missing(inner.layers[site.layer])
+
+
+def _is_missing(module: Any) -> bool:
+    return type(module).__name__ == "PPMissingLayer"
+
+
+def _tensor_parallel_rank() -> int:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return int(get_tensor_model_parallel_rank())
 
 
 def attach(worker: Any) -> None:
@@ -192,8 +239,8 @@ def verify_hooks_fired(worker: Any) -> None:
     controller: Controller | None = getattr(worker, "_tlvllm", None)
     if controller is None:
         return
-    fired = controller.runtime.fired.cpu().tolist()
-    silent = [site.name for site, count in zip(controller.sites, fired, strict=True) if count == 0]
+    fired = controller.runtime.fired()
+    silent = [site.name for site in controller.sites if fired[site.index] == 0]
     if silent:
         raise RuntimeError(
             f"tl-vllm: hooks installed but never ran during warm-up at {silent[:5]}"

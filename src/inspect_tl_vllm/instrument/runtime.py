@@ -5,15 +5,21 @@ before each forward step (see ``routing.py``).  The hooks themselves never branc
 request, never allocate persistent state and never read Python-side step metadata, so
 torch.compile traces them once and CUDA graphs replay them with the current contents.
 
-Per token row ``t`` and site ``s`` the hook applies ``max_stack`` stages::
+Each site owns separate tensors (``SiteBuffers``) instead of a slice of one shared table.
+That keeps every decoder layer's compiled piece isometric: the hook reads its own graph
+inputs and no per-layer constant, so vLLM compiles one layer's piece and reuses it for the
+others (a site number baked into the graph made compile time grow with the site count).
 
-    v = bank[vec_index[t, s, k]]
+Per token row ``t`` the hook at a site applies ``max_stack`` stages, with
+``table[t, k] = (bank row, mult, add, proj)``::
+
+    v = bank[table[t, k, 0]]
     x = x * mult + add * v - proj * (x . v) v
 
 Row 0 of the bank is zeros and the defaults (mult 1, add 0, proj 0) make a stage an exact
-no-op, so unsteered rows pass through bit for bit.  The result is then copied into
-``staging[s]`` (captures are read from there after the step), the change in L2 norm per row
-goes to ``norm_delta`` (steering receipts), and ``fired[s]`` counts executions (the loud
+no-op, so unsteered rows pass through bit for bit.  The result is then copied into the
+site's ``staging`` (captures are read from there after the step), the change in L2 norm per
+row goes to ``norm_delta`` (steering receipts), and ``fired`` counts executions (the loud
 check that a hook really runs inside the compiled graph).
 """
 
@@ -27,16 +33,30 @@ from torch import nn
 
 from inspect_tl_vllm.instrument.hookpoints import Site
 
-MULT, ADD, PROJ = 0, 1, 2
+ROW, MULT, ADD, PROJ = 0, 1, 2, 3
+IDENTITY_STAGE = (0.0, 1.0, 0.0, 0.0)
+
+
+class SiteBuffers:
+    """The tensors one site's hook reads and writes."""
+
+    def __init__(self, *, max_tokens: int, max_stack: int, hidden_size: int, device: torch.device, act_dtype: Any):
+        self.table = torch.tensor(IDENTITY_STAGE, device=device).repeat(max_tokens, max_stack, 1)
+        self.staging = torch.zeros(max_tokens, hidden_size, dtype=act_dtype, device=device)
+        self.norm_delta = torch.zeros(max_tokens, dtype=torch.float32, device=device)
+        self.fired = torch.zeros(1, dtype=torch.int64, device=device)
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.table, self.staging, self.norm_delta, self.fired)
 
 
 class HookRuntime:
-    """Device buffers shared by all hooks of one model replica."""
+    """Device buffers of the sites this worker owns, plus the shared vector bank."""
 
     def __init__(
         self,
         *,
-        num_sites: int,
+        site_indices: list[int],
         hidden_size: int,
         max_tokens: int,
         max_stack: int,
@@ -44,7 +64,6 @@ class HookRuntime:
         device: torch.device,
         act_dtype: torch.dtype,
     ) -> None:
-        self.num_sites = num_sites
         self.hidden_size = hidden_size
         self.max_tokens = max_tokens
         self.max_stack = max_stack
@@ -52,31 +71,37 @@ class HookRuntime:
         self.device = device
         self.act_dtype = act_dtype
         self.bank = torch.zeros(max_vectors + 1, hidden_size, dtype=torch.float32, device=device)
-        self.vec_index = torch.zeros(max_tokens, num_sites, max_stack, dtype=torch.int64, device=device)
-        self.coefs = torch.zeros(max_tokens, num_sites, max_stack, 3, dtype=torch.float32, device=device)
-        self.coefs[..., MULT] = 1.0
-        self.staging = torch.zeros(num_sites, max_tokens, hidden_size, dtype=act_dtype, device=device)
-        self.norm_delta = torch.zeros(num_sites, max_tokens, dtype=torch.float32, device=device)
-        self.fired = torch.zeros(num_sites, dtype=torch.int64, device=device)
+        self.sites = {
+            index: SiteBuffers(
+                max_tokens=max_tokens, max_stack=max_stack, hidden_size=hidden_size, device=device, act_dtype=act_dtype
+            )
+            for index in site_indices
+        }
 
-    def apply(self, site: int, hidden: torch.Tensor) -> torch.Tensor:
+    def apply(self, buffers: SiteBuffers, hidden: torch.Tensor) -> torch.Tensor:
         """The hook math for one site; ``hidden`` is ``[num_tokens, hidden_size]``."""
         rows = hidden.shape[0]
         x = hidden.float()
         before = torch.linalg.vector_norm(x, dim=-1)
+        table = buffers.table[:rows]
         for stage in range(self.max_stack):
-            v = self.bank[self.vec_index[:rows, site, stage]]
-            c = self.coefs[:rows, site, stage]
+            v = self.bank[table[:, stage, ROW].long()]
             dot = (x * v).sum(dim=-1, keepdim=True)
-            x = x * c[:, MULT : MULT + 1] + c[:, ADD : ADD + 1] * v - c[:, PROJ : PROJ + 1] * dot * v
+            mult = table[:, stage, MULT : MULT + 1]
+            add = table[:, stage, ADD : ADD + 1]
+            proj = table[:, stage, PROJ : PROJ + 1]
+            x = x * mult + add * v - proj * dot * v
         out = x.to(hidden.dtype)
-        self.norm_delta[site, :rows].copy_(torch.linalg.vector_norm(out.float(), dim=-1) - before)
-        self.staging[site, :rows].copy_(out)
-        self.fired[site : site + 1].add_(1)
+        buffers.norm_delta[:rows].copy_(torch.linalg.vector_norm(out.float(), dim=-1) - before)
+        buffers.staging[:rows].copy_(out)
+        buffers.fired.add_(1)
         return out
 
+    def fired(self) -> dict[int, int]:
+        return {index: int(buffers.fired.item()) for index, buffers in self.sites.items()}
+
     def memory_bytes(self) -> int:
-        tensors = (self.bank, self.vec_index, self.coefs, self.staging, self.norm_delta, self.fired)
+        tensors = [self.bank, *(t for buffers in self.sites.values() for t in buffers.tensors())]
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
@@ -103,21 +128,21 @@ def install_hooks(layers: nn.ModuleList, final_norm: nn.Module, sites: list[Site
 
 
 def _make_hook(site: Site, runtime: HookRuntime) -> Callable[..., Any]:
-    index = site.index
+    buffers = runtime.sites[site.index]
     apply = runtime.apply
 
     if site.kind == "layer_in":
         # Only layer 0 has its own resid_pre site; vLLM calls it with residual=None, so the
         # hidden states are the whole residual stream (the embeddings).
         def layer_in(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            return (args[0], apply(index, args[1]), *args[2:]), kwargs
+            return (args[0], apply(buffers, args[1]), *args[2:]), kwargs
 
         return layer_in
 
     if site.kind == "norm_in":
 
         def norm_in(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            out = apply(index, args[0] + args[1])
+            out = apply(buffers, args[0] + args[1])
             return (out, torch.zeros_like(out), *args[2:]), kwargs
 
         return norm_in
@@ -126,7 +151,7 @@ def _make_hook(site: Site, runtime: HookRuntime) -> Callable[..., Any]:
 
         def layer_out(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             hidden, residual = output[0], output[1]
-            out = apply(index, hidden if residual is None else hidden + residual)
+            out = apply(buffers, hidden if residual is None else hidden + residual)
             return (out, torch.zeros_like(out), *output[2:])
 
         return layer_out
@@ -134,13 +159,13 @@ def _make_hook(site: Site, runtime: HookRuntime) -> Callable[..., Any]:
     if site.kind == "module_out":
 
         def module_out(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
-            return apply(index, output)
+            return apply(buffers, output)
 
         return module_out
 
     def final_norm_out(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
         if isinstance(output, tuple):
-            return (apply(index, output[0]), *output[1:])
-        return apply(index, output)
+            return (apply(buffers, output[0]), *output[1:])
+        return apply(buffers, output)
 
     return final_norm_out

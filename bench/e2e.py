@@ -1,0 +1,145 @@
+"""End to end: one Inspect task through ``tl-vllm`` (plain, and steered + captured) and
+through Inspect's own ``vllm/`` provider, timed from the command line and from the logs.
+
+    python bench/e2e.py --samples 256 --max-tokens 256 --out e2e.json [--variants vllm,tl,tl_steer_capture]
+
+Each variant is one ``inspect eval`` subprocess on the same task (``e2e_questions`` below:
+``--samples`` chat questions, greedy, ``--max-tokens`` at most), with the same engine
+settings and ``--max-connections`` equal to the sample count.  Reported per variant: wall
+time of the whole command (engine or server start included), the generation phase (first
+model call started to last model call finished, from the log's model events), output
+tokens, and the score.  ``vllm/`` runs with ``VLLM_PLUGINS=""`` so the server is plain vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from inspect_ai import Task, task
+from inspect_ai.dataset import MemoryDataset, Sample
+from inspect_ai.model import GenerateConfig
+from inspect_ai.scorer import includes
+from inspect_ai.solver import generate
+
+ROOT = Path(__file__).resolve().parent.parent
+STEER = ["-M", f"steer={ROOT / 'evals/steer_ocean.yaml'}"]
+CAPTURE = ["-M", "capture=blocks.12.hook_resid_post", "-M", "capture_reduce=mean"]
+
+
+@task
+def e2e_questions(samples: int = 256, max_tokens: int = 256) -> Task:
+    """The shipped short-answer questions, repeated with a number so every prompt differs."""
+    rows = [json.loads(line) for line in (ROOT / "evals/data/short_answers.jsonl").open()]
+    dataset = [
+        Sample(
+            id=i + 1,
+            input=f"{rows[i % len(rows)]['input']} (Question {i + 1}.)",
+            target=rows[i % len(rows)]["target"],
+        )
+        for i in range(samples)
+    ]
+    return Task(
+        dataset=MemoryDataset(dataset),
+        solver=generate(),
+        scorer=includes(),
+        config=GenerateConfig(max_tokens=max_tokens, temperature=0.0),
+    )
+
+
+def generation_phase(log_file: str) -> dict[str, Any]:
+    """Seconds from the first model call's start to the last one's end, and token counts."""
+    from inspect_ai.log import read_eval_log
+
+    log = read_eval_log(log_file)
+    starts, ends, output_tokens = [], [], 0
+    for sample in log.samples or []:
+        for event in sample.events:
+            if event.event == "model" and event.completed is not None:
+                starts.append(event.timestamp.timestamp())
+                ends.append(event.completed.timestamp())
+                if event.output.usage:
+                    output_tokens += event.output.usage.output_tokens
+    metrics = log.results.scores[0].metrics if log.results and log.results.scores else {}
+    return {
+        "status": log.status,
+        "samples": len(log.samples or []),
+        "generation_s": round(max(ends) - min(starts), 2) if starts else None,
+        "output_tokens": output_tokens,
+        "accuracy": metrics["accuracy"].value if "accuracy" in metrics else None,
+    }
+
+
+def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: Path) -> dict[str, Any]:
+    engine = ["-M", f"max_model_len={args.max_model_len}"]
+    if args.cpu:
+        engine += ["-M", "enforce_eager=true", "-M", "dtype=float32"]
+    else:
+        engine += ["-M", f"gpu_memory_utilization={args.gpu_memory_utilization}"]
+    env = dict(os.environ)
+    if name == "vllm":
+        model, extra = f"vllm/{model_path}", []
+        env["VLLM_PLUGINS"] = ""
+    else:
+        model, extra = f"tl-vllm/{model_path}", (STEER + CAPTURE if name == "tl_steer_capture" else [])
+    target = log_dir / name
+    command = [
+        "inspect", "eval", f"{Path(__file__).resolve()}@e2e_questions",
+        "--model", model, *engine, *extra,
+        "-T", f"samples={args.samples}", "-T", f"max_tokens={args.max_tokens}",
+        "--max-connections", str(args.samples), "--log-dir", str(target), "--display", "plain",
+    ]  # fmt: skip
+    print(f"[e2e] {name}: {' '.join(command)}", flush=True)
+    started = time.perf_counter()
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
+    wall = time.perf_counter() - started
+    logs = sorted(target.glob("*.eval"))
+    result: dict[str, Any] = {"variant": name, "wall_s": round(wall, 1), "returncode": done.returncode}
+    if logs:
+        result.update(generation_phase(str(logs[-1])))
+    if done.returncode != 0 or not logs:
+        result["stderr_tail"] = done.stderr[-3000:]
+    print(f"[e2e] {name}: {json.dumps({k: v for k, v in result.items() if k != 'stderr_tail'})}", flush=True)
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2")
+    parser.add_argument("--samples", type=int, default=256)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--variants", default="vllm,tl,tl_steer_capture")
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--log-dir", default="/tmp/tlvllm-e2e")
+    parser.add_argument("--timeout", type=int, default=540)
+    parser.add_argument("--cpu", action="store_true", help="smoke run on vLLM's CPU build (eager, fp32)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    from inspect_tl_vllm.aliases import resolve_model
+
+    model_path = resolve_model(args.model)
+    results = [run_variant(name, args, model_path, Path(args.log_dir)) for name in args.variants.split(",")]
+    summary = {"model": args.model, "samples": args.samples, "max_tokens": args.max_tokens, "results": results}
+    base = next((r for r in results if r["variant"] == "vllm" and r.get("generation_s")), None)
+    if base:
+        for r in results:
+            if r.get("generation_s"):
+                r["wall_ratio_to_vllm"] = round(r["wall_s"] / base["wall_s"], 3)
+                r["generation_ratio_to_vllm"] = round(r["generation_s"] / base["generation_s"], 3)
+    text = json.dumps(summary, indent=1)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    return 0 if all(r["returncode"] == 0 for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

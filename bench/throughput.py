@@ -1,0 +1,267 @@
+"""Engine-level throughput: vanilla vLLM against the instrumented engine, measured in one run.
+
+    python bench/throughput.py --model smollm2 --prompts 256 --new-tokens 256 --runs 5 --out r.json
+    python bench/throughput.py --model llama8b-shape ...   # Llama-3-8B shapes, random weights
+
+Two engines live side by side on the device, each in its own process with the same engine
+settings and the same share of GPU memory: vanilla vLLM with every plugin excluded
+(``VLLM_PLUGINS=""``) and the instrumented engine from ``construct_instrumented_llm``.
+Variants, all on the same chat prompts with fixed output lengths (``ignore_eos``):
+
+1. ``vanilla``     plain vLLM 0.20.2
+2. ``plain``       instrumented engine, nothing requested
+3. ``steer``       every request steered with its own vector at one layer
+4. ``capture``     every request captures one hook point, mean over the sample
+5. ``capture_all`` every request captures the residual stream of every layer, per prompt token
+
+Runs are interleaved (each round runs every variant once, in a rotated order) after one
+warm-up round; the table reports the median generated tokens/s, the spread, and each median
+as a ratio to (1).  Engine modes (compile, CUDA graphs, async scheduling), compile-cache
+state, boot times, KV-cache size and the instrumentation's buffer memory and host time are
+recorded with the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+VARIANTS = ["vanilla", "plain", "steer", "capture", "capture_all"]
+LLAMA_8B_SHAPE = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 8192,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "hidden_act": "silu",
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+}
+
+
+def model_dir(name: str, scratch: Path) -> tuple[str, dict[str, Any]]:
+    """Path and extra engine arguments; the 8B shape is a config plus SmolLM2's tokenizer."""
+    from inspect_tl_vllm.aliases import resolve_model
+
+    if name != "llama8b-shape":
+        return resolve_model(name), {}
+    source = Path(resolve_model("smollm2"))
+    target = scratch / "llama8b-shape"
+    target.mkdir(parents=True, exist_ok=True)
+    for file in source.iterdir():
+        if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            (target / file.name).write_bytes(file.read_bytes())
+    tokenizer = json.loads((source / "config.json").read_text())
+    config = {**LLAMA_8B_SHAPE, "vocab_size": 128256}
+    for key in ("bos_token_id", "eos_token_id"):
+        config[key] = tokenizer.get(key)
+    (target / "config.json").write_text(json.dumps(config, indent=1))
+    return str(target), {"load_format": "dummy"}
+
+
+def chat_prompts(path: str, count: int) -> list[list[int]]:
+    """Token ids of ``count`` chat prompts from the shipped question set, all distinct."""
+    from transformers import AutoTokenizer
+
+    root = Path(__file__).resolve().parent.parent
+    questions = [json.loads(line)["input"] for line in (root / "evals/data/short_answers.jsonl").open()]
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompts = []
+    for i in range(count):
+        text = f"{questions[i % len(questions)]} (Question {i + 1}; answer in detail.)"
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+        prompts.append(list(ids))
+    return prompts
+
+
+def engine_modes(llm: Any) -> dict[str, Any]:
+    config = llm.llm_engine.vllm_config
+    return {
+        "compilation_mode": str(config.compilation_config.mode),
+        "cudagraph_mode": str(config.compilation_config.cudagraph_mode),
+        "async_scheduling": bool(config.scheduler_config.async_scheduling),
+        "compile_cache_disabled": os.environ.get("VLLM_DISABLE_COMPILE_CACHE", "0") not in ("", "0"),
+        "kv_cache_blocks": config.cache_config.num_gpu_blocks,
+        "block_size": config.cache_config.block_size,
+    }
+
+
+def serve(kind: str, path: str, engine_args: dict[str, Any], prompts: list[list[int]], conn: Any) -> None:
+    """One engine in its own process, running the variants the parent asks for."""
+    if kind == "vanilla":
+        os.environ["VLLM_PLUGINS"] = ""  # before vLLM is imported: no plugin, ours included
+    import torch
+    from vllm import SamplingParams
+
+    started = time.time()
+    if kind == "vanilla":
+        from vllm import LLM
+
+        llm = LLM(model=path, **engine_args)
+        engine = None
+    else:
+        import inspect_tl_vllm
+
+        engine = inspect_tl_vllm.boot(path, instrument={"max_vectors": len(prompts)}, **engine_args)
+        llm = engine.llm
+    info = {"boot_s": round(time.time() - started, 1), **engine_modes(llm)}
+    if engine is not None:
+        status = engine.status()
+        info["buffer_bytes"] = status["buffer_bytes"]
+        info["sites"] = len(status["sites"])
+    conn.send(info)
+    width = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+    layers = llm.llm_engine.vllm_config.model_config.hf_text_config.num_hidden_layers
+    generator = torch.Generator().manual_seed(0)
+    vectors = [(torch.randn(width, generator=generator) * 2).tolist() for _ in prompts]
+    while True:
+        message = conn.recv()
+        if message is None:
+            break
+        variant, new_tokens = message
+        params = dict(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+        before = engine.status() if engine is not None else None
+        t0 = time.perf_counter()
+        if engine is None:
+            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**params), use_tqdm=False)
+            generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        else:
+            specs = variant_specs(variant, vectors, layers)
+            outputs = engine.generate(prompts, specs=specs, max_tokens=new_tokens, ignore_eos=True)
+            generated = sum(len(o.token_ids) for o in outputs)
+        elapsed = time.perf_counter() - t0
+        result = {"variant": variant, "seconds": elapsed, "generated": generated, "tok_s": generated / elapsed}
+        if engine is not None:
+            after = engine.status()
+            result["worker"] = after
+            result["worker_steps"] = after["steps"] - before["steps"]
+            result["worker_host_s"] = {
+                k: round(v - before["host_seconds"][k], 3) for k, v in after["host_seconds"].items()
+            }
+        conn.send(result)
+
+
+def variant_specs(variant: str, vectors: list[list[float]], layers: int) -> list[dict[str, Any] | None]:
+    middle = layers // 2
+    if variant == "plain":
+        return [None] * len(vectors)
+    if variant == "steer":
+        hook = f"blocks.{middle}.hook_resid_post"
+        return [{"interventions": [{"hook": hook, "vector": v, "coef": 1.0}]} for v in vectors]
+    if variant == "capture":
+        return [{"capture": {"hooks": [f"blocks.{middle}.hook_resid_post"], "reduce": "mean"}} for _ in vectors]
+    hooks = ["blocks.0.hook_resid_pre", *(f"blocks.{i}.hook_resid_post" for i in range(layers))]
+    return [{"capture": {"hooks": hooks, "positions": "prompt", "dtype": "bfloat16"}} for _ in vectors]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2", help="alias, path, or llama8b-shape")
+    parser.add_argument("--prompts", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.4)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--scratch", default="/tmp/tlvllm-bench")
+    parser.add_argument("--cpu", action="store_true", help="tiny smoke run on vLLM's CPU build")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    path, extra = model_dir(args.model, Path(args.scratch))
+    prompts = chat_prompts(path, args.prompts)
+    engine_args = {"max_model_len": args.max_model_len, "dtype": "bfloat16", "enable_prefix_caching": False, **extra}
+    if args.cpu:
+        engine_args.update(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30)
+    else:
+        engine_args["gpu_memory_utilization"] = args.gpu_memory_utilization
+    variants = args.variants.split(",")
+    context = mp.get_context("spawn")
+    engines: dict[str, Any] = {}
+    summary: dict[str, Any] = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens}
+    summary["engine_args"] = engine_args
+    for kind in ("vanilla", "instrumented"):
+        if kind == "vanilla" and "vanilla" not in variants:
+            continue
+        parent, child = context.Pipe()
+        process = context.Process(target=serve, args=(kind, path, engine_args, prompts, child))
+        process.start()
+        info = parent.recv()
+        print(f"[bench] {kind} engine up: {json.dumps(info)}", flush=True)
+        summary[f"{kind}_engine"] = info
+        engines[kind] = (process, parent)
+
+    def run(variant: str, new_tokens: int) -> dict[str, Any]:
+        _, conn = engines["vanilla" if variant == "vanilla" else "instrumented"]
+        conn.send((variant, new_tokens))
+        return conn.recv()
+
+    for variant in variants:  # warm-up round, not recorded
+        run(variant, min(16, args.new_tokens))
+    results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    for round_index in range(args.runs):
+        order = variants[round_index % len(variants) :] + variants[: round_index % len(variants)]
+        for variant in order:
+            result = run(variant, args.new_tokens)
+            results[variant].append(result)
+            print(f"[bench] round {round_index + 1} {variant}: {result['tok_s']:.0f} tok/s", flush=True)
+        write_summary(summary, results, args.out, final=round_index == args.runs - 1)  # partial results survive a kill
+    for _, (process, conn) in engines.items():
+        conn.send(None)
+        process.join(timeout=120)
+    return 0
+
+
+def write_summary(
+    summary: dict[str, Any], results: dict[str, list[dict[str, Any]]], out: str | None, final: bool
+) -> None:
+    summary["rounds_done"] = min(len(runs) for runs in results.values())
+    summary["table"] = table(results)
+    kept = ("seconds", "tok_s", "worker_steps", "worker_host_s")
+    summary["runs"] = {v: [{k: r[k] for k in kept if k in r} for r in rs] for v, rs in results.items()}
+    instrumented = [runs[-1] for variant, runs in results.items() if variant != "vanilla" and runs]
+    if instrumented:
+        summary["instrumented_worker_status"] = instrumented[-1]["worker"]
+    text = json.dumps(summary, indent=1)
+    if final:
+        print(text)
+    if out:
+        Path(out).write_text(text)
+
+
+def table(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Median tokens/s per variant, spread (min-max), and the ratio to vanilla's median."""
+    base = statistics.median(r["tok_s"] for r in results["vanilla"]) if results.get("vanilla") else None
+    rows = []
+    for variant, runs in results.items():
+        speeds = [r["tok_s"] for r in runs]
+        median = statistics.median(speeds)
+        rows.append(
+            {
+                "variant": variant,
+                "median_tok_s": round(median, 1),
+                "min_tok_s": round(min(speeds), 1),
+                "max_tok_s": round(max(speeds), 1),
+                "ratio_to_vanilla": round(median / base, 4) if base else None,
+            }
+        )
+    return rows
+
+
+if __name__ == "__main__":
+    sys.exit(main())
