@@ -7,10 +7,12 @@ for record in activations.load("logs/2026-...eval"):
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from inspect_tl_vllm.storage import activations_dir_for, read_index, read_sample
@@ -70,6 +72,59 @@ def export_npz(records: list[SampleActivations], path: str | Path) -> int:
     return len(arrays)
 
 
+def export_parquet(records: list[SampleActivations], path: str | Path) -> int:
+    """Write one row per (sample, epoch, hook, position) to Parquet, so the activations can be queried
+    with pandas/polars/DuckDB next to their scores; returns the number of rows.
+
+    Columns: ``sample_id``, ``epoch``, ``hook``, ``position`` (row index within the stored capture, the
+    token position for captures over all positions; null for captures reduced per sample), one
+    ``score_<name>`` column per scorer, and ``vector`` (fixed-size list of float32)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    blocks = list(_parquet_blocks(records))
+    widths = {rows.shape[1] for _, _, rows, _ in blocks}
+    if len(widths) != 1:
+        found = f"widths {sorted(widths)}" if widths else "no activations"
+        raise ValueError(f"export: a Parquet file holds vectors of one width; found {found}")
+    expand = [i for i, (_, _, rows, _) in enumerate(blocks) for _ in range(len(rows))]
+    columns = {
+        "sample_id": _arrow_column([blocks[i][0].sample_id for i in expand]),
+        "epoch": pa.array([blocks[i][0].epoch for i in expand], pa.int32()),
+        "hook": pa.array([blocks[i][1] for i in expand], pa.string()),
+        "position": pa.array([p for *_, positions in blocks for p in positions], pa.int64()),
+    }
+    for name in sorted({name for record in records for name in record.scores}):
+        columns[f"score_{name}"] = _arrow_column([blocks[i][0].scores.get(name) for i in expand])
+    flat = np.concatenate([rows.reshape(-1) for _, _, rows, _ in blocks])
+    columns["vector"] = pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.float32()), widths.pop())
+    pq.write_table(pa.table(columns), str(path))
+    return len(expand)
+
+
+def _parquet_blocks(
+    records: list[SampleActivations],
+) -> Iterator[tuple[SampleActivations, str, np.ndarray, list[int | None]]]:
+    """(record, hook, float32 rows, positions) per stored tensor; a reduced capture is one row, position None."""
+    for record in records:
+        reduced = record.index.get("reduce") not in (None, "none")
+        for hook, tensor in record.activations.items():
+            rows = tensor.float().reshape(-1, tensor.shape[-1]).numpy()
+            yield record, hook, rows, [None] * len(rows) if reduced else list(range(len(rows)))
+
+
+def _arrow_column(values: list[Any]) -> Any:
+    """Values of one kind keep their Arrow type; mixed kinds (say 'C' and 0.5) become JSON text."""
+    import json
+
+    import pyarrow as pa
+
+    try:
+        return pa.array(values)
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        return pa.array([v if v is None or isinstance(v, str) else json.dumps(v, default=str) for v in values])
+
+
 def main(argv: list[str] | None = None) -> int:
     """List (or export) the activations an eval log's samples captured."""
     import argparse
@@ -77,16 +132,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="tl-vllm activations", description=main.__doc__)
     parser.add_argument("log")
     parser.add_argument("--activations-dir", default=None)
-    parser.add_argument("--export", default=None, help="write all arrays and scores to this .npz file")
+    parser.add_argument("--export", default=None, help="write all arrays and scores to this .npz or .parquet file")
     args = parser.parse_args(argv)
+    exporters = {".npz": (export_npz, "arrays"), ".parquet": (export_parquet, "rows")}
+    suffix = Path(args.export).suffix.lower() if args.export else None
+    if suffix is not None and suffix not in exporters:
+        parser.error(f"--export {args.export}: name a .npz or .parquet file")
     records = load(args.log, args.activations_dir)
     for record in records:
         shapes = ", ".join(f"{hook} {tuple(t.shape)}" for hook, t in record.activations.items())
         print(f"sample {record.sample_id!r} epoch {record.epoch} scores {record.scores}: {shapes}")
     print(f"{len(records)} samples with activations")
-    if args.export:
-        count = export_npz(records, args.export)
-        print(f"exported {count} arrays to {args.export}")
+    if suffix is not None:
+        export, unit = exporters[suffix]
+        print(f"exported {export(records, args.export)} {unit} to {args.export}")
     return 0
 
 

@@ -1,4 +1,4 @@
-"""``tl-vllm``: model preparation, aliases, vector extraction, sweeps, reports, activations, demo."""
+"""``tl-vllm``: model preparation, aliases, vector extraction and import, sweeps, reports, activations, demo."""
 
 from __future__ import annotations
 
@@ -61,6 +61,27 @@ def _extract_vector(args: argparse.Namespace) -> int:
     return 0
 
 
+def _import_vector(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from inspect_tl_vllm.instrument.vector_import import import_vector_file
+    from inspect_tl_vllm.specs import SpecError
+
+    try:
+        imported = import_vector_file(args.src, Path(args.out), hook=args.hook, model=args.model)
+    except SpecError as err:
+        print(f"import-vector: {err}", file=sys.stderr)
+        return 2
+    for hook, vector in imported.vectors.items():
+        print(f"import-vector: {hook} width {vector.numel()} norm {float(vector.norm()):.3f}")
+    hint = imported.metadata.get("model_hint")
+    source = imported.metadata["format"] + (f", model hint {hint!r}" if hint else "")
+    count = len(imported.vectors)
+    print(f"import-vector: wrote {count} vector{'s' if count > 1 else ''} ({source}) to {args.out}")
+    print(f"import-vector: steer with vector: {args.out}:{next(iter(imported.vectors))}")
+    return 0
+
+
 def _key_values(items: list[str]) -> dict[str, object]:
     """KEY=VALUE pairs with YAML values (as Inspect's -M and -T): true, 3, 0.5 or text."""
     import yaml
@@ -119,6 +140,12 @@ def main(argv: list[str] | None = None) -> int:
     extract.add_argument("--dtype", default="auto", help="engine dtype (vLLM's 'auto' runs fp32 models in bf16)")
     extract.add_argument("--out", required=True, help="output .safetensors (one tensor per hook point)")
     extract.set_defaults(func=_extract_vector)
+    imp = sub.add_parser("import-vector", help="convert a .npy/.pt/.safetensors vector or a GGUF control vector")
+    imp.add_argument("src", help="vector file (FILE or FILE:KEY); a .gguf control vector gives every layer")
+    imp.add_argument("--out", required=True, help="output .safetensors, one tensor per hook point")
+    imp.add_argument("--hook", default=None, help="hook point of a single vector, e.g. blocks.12.hook_resid_post")
+    imp.add_argument("--model", default=None, help="model the vector is for (recorded in the metadata)")
+    imp.set_defaults(func=_import_vector)
     sweep = sub.add_parser("sweep", help="one eval per coefficient/layer/control point, one shared engine")
     sweep.add_argument("task", help="task reference, e.g. evals/steering_demo.py@steering_sweep")
     sweep.add_argument("--model", default="tl-vllm/smollm2")
@@ -133,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="table and PNG of score against coefficient from a sweep's logs")
     rep.add_argument("log_dir")
     rep.set_defaults(func=_report)
-    sub.add_parser("activations", help="list or export (--export FILE.npz) the activations of an eval log")
+    sub.add_parser("activations", help="list or export (--export FILE.npz|FILE.parquet) an eval log's activations")
     demo = sub.add_parser("demo", help="steered, captured generation on the default model")
     demo.add_argument("--model", default="smollm2")
     demo.add_argument("--coef", type=float, default=1.0)

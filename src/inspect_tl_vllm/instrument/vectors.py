@@ -7,6 +7,8 @@ Accepted: inline lists, ``.safetensors`` (``path`` with one tensor, or ``path:ke
 from __future__ import annotations
 
 import hashlib
+import pickle
+import re
 from pathlib import Path
 
 import numpy as np
@@ -49,9 +51,9 @@ def read_vector_file(ref: str, where: str = "vector") -> torch.Tensor:
             tensors = load_file(str(path))
             return _pick(tensors, key, path, where)
         if suffix == ".npy":
-            return torch.from_numpy(np.load(path, allow_pickle=False)).float()
+            return torch.from_numpy(_load_npy(path, where)).float()
         if suffix in (".pt", ".pth"):
-            loaded = torch.load(path, map_location="cpu", weights_only=True)
+            loaded = _load_pt(path, where)
             if isinstance(loaded, dict):
                 return _pick(loaded, key, path, where)
             if not isinstance(loaded, torch.Tensor):
@@ -62,6 +64,32 @@ def read_vector_file(ref: str, where: str = "vector") -> torch.Tensor:
     except Exception as err:  # corrupt files raise many types
         raise SpecError(f"{where}: cannot read {path}: {type(err).__name__}: {err}") from err
     raise SpecError(f"{where}: unsupported vector file type {suffix!r}; use .safetensors, .npy or .pt")
+
+
+def _load_npy(path: Path, where: str) -> np.ndarray:
+    """numpy refuses object arrays under allow_pickle=False; say why, and how to save a loadable file."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except ValueError as err:
+        if "allow_pickle" not in str(err):
+            raise
+        raise SpecError(
+            f"{where}: {path} holds Python objects, not numbers; it is refused because loading it would unpickle "
+            "(which can run code). Save a plain float array: np.save(path, np.asarray(vector, dtype=np.float32))"
+        ) from None
+
+
+def _load_pt(path: Path, where: str) -> object:
+    """torch's weights_only refusal suggests weights_only=False; never that: name the offending type instead."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        what = f"a {found.group(1)} object" if found else "objects that are not tensors"
+        raise SpecError(
+            f"{where}: {path} stores {what}, so loading it needs full unpickling, which can run arbitrary code; "
+            "it is refused. Re-save the bare tensor (torch.save(tensor, path)) or use .safetensors or .npy"
+        ) from None
 
 
 def _pick(tensors: dict[str, torch.Tensor], key: str, path: Path, where: str) -> torch.Tensor:
