@@ -62,7 +62,7 @@ def model_dir(name: str, scratch: Path) -> tuple[str, dict[str, Any]]:
     target = scratch / "llama8b-shape"
     target.mkdir(parents=True, exist_ok=True)
     for file in source.iterdir():
-        if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+        if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
             (target / file.name).write_bytes(file.read_bytes())
     tokenizer = json.loads((source / "config.json").read_text())
     config = {**LLAMA_8B_SHAPE, "vocab_size": 128256}
@@ -106,7 +106,6 @@ def serve(kind: str, path: str, engine_args: dict[str, Any], prompts: list[list[
     if kind == "vanilla":
         os.environ["VLLM_PLUGINS"] = ""  # before vLLM is imported: no plugin, ours included
     import torch
-    from vllm import SamplingParams
 
     started = time.time()
     if kind == "vanilla":
@@ -134,26 +133,36 @@ def serve(kind: str, path: str, engine_args: dict[str, Any], prompts: list[list[
         if message is None:
             break
         variant, new_tokens = message
-        params = dict(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-        before = engine.status() if engine is not None else None
-        t0 = time.perf_counter()
-        if engine is None:
-            outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**params), use_tqdm=False)
-            generated = sum(len(o.outputs[0].token_ids) for o in outputs)
-        else:
-            specs = variant_specs(variant, vectors, layers)
-            outputs = engine.generate(prompts, specs=specs, max_tokens=new_tokens, ignore_eos=True)
-            generated = sum(len(o.token_ids) for o in outputs)
-        elapsed = time.perf_counter() - t0
-        result = {"variant": variant, "seconds": elapsed, "generated": generated, "tok_s": generated / elapsed}
-        if engine is not None:
-            after = engine.status()
-            result["worker"] = after
-            result["worker_steps"] = after["steps"] - before["steps"]
-            result["worker_host_s"] = {
-                k: round(v - before["host_seconds"][k], 3) for k, v in after["host_seconds"].items()
-            }
-        conn.send(result)
+        try:
+            conn.send(run_variant(engine, llm, variant, new_tokens, prompts, vectors, layers))
+        except Exception as err:  # report and keep serving: one failing variant must not lose the others
+            conn.send({"variant": variant, "error": f"{type(err).__name__}: {err}"[:2000]})
+
+
+def run_variant(
+    engine: Any, llm: Any, variant: str, new_tokens: int, prompts: list[list[int]], vectors: list, layers: int
+) -> dict[str, Any]:
+    """Time one pass over all prompts."""
+    from vllm import SamplingParams
+
+    params = dict(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    before = engine.status() if engine is not None else None
+    t0 = time.perf_counter()
+    if engine is None:
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**params), use_tqdm=False)
+        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    else:
+        specs = variant_specs(variant, vectors, layers)
+        outputs = engine.generate(prompts, specs=specs, max_tokens=new_tokens, ignore_eos=True)
+        generated = sum(len(o.token_ids) for o in outputs)
+    elapsed = time.perf_counter() - t0
+    result = {"variant": variant, "seconds": elapsed, "generated": generated, "tok_s": generated / elapsed}
+    if engine is not None:
+        after = engine.status()
+        result["worker"] = after
+        result["worker_steps"] = after["steps"] - before["steps"]
+        result["worker_host_s"] = {k: round(v - before["host_seconds"][k], 3) for k, v in after["host_seconds"].items()}
+    return result
 
 
 def variant_specs(variant: str, vectors: list[list[float]], layers: int) -> list[dict[str, Any] | None]:
@@ -211,13 +220,22 @@ def main() -> int:
         conn.send((variant, new_tokens))
         return conn.recv()
 
-    for variant in variants:  # warm-up round, not recorded
-        run(variant, min(16, args.new_tokens))
+    errors = summary.setdefault("errors", {})
+    for variant in list(variants):  # warm-up round, not recorded; a variant that fails here is dropped
+        result = run(variant, min(16, args.new_tokens))
+        if "error" in result:
+            print(f"[bench] {variant} failed in warm-up: {result['error']}", flush=True)
+            errors[variant] = result["error"]
+            variants.remove(variant)
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
     for round_index in range(args.runs):
         order = variants[round_index % len(variants) :] + variants[: round_index % len(variants)]
         for variant in order:
             result = run(variant, args.new_tokens)
+            if "error" in result:
+                errors[variant] = result["error"]
+                print(f"[bench] round {round_index + 1} {variant} failed: {result['error']}", flush=True)
+                continue
             results[variant].append(result)
             print(f"[bench] round {round_index + 1} {variant}: {result['tok_s']:.0f} tok/s", flush=True)
         write_summary(summary, results, args.out, final=round_index == args.runs - 1)  # partial results survive a kill
@@ -230,7 +248,7 @@ def main() -> int:
 def write_summary(
     summary: dict[str, Any], results: dict[str, list[dict[str, Any]]], out: str | None, final: bool
 ) -> None:
-    summary["rounds_done"] = min(len(runs) for runs in results.values())
+    summary["rounds_done"] = min((len(runs) for runs in results.values()), default=0)
     summary["table"] = table(results)
     kept = ("seconds", "tok_s", "worker_steps", "worker_host_s")
     summary["runs"] = {v: [{k: r[k] for k in kept if k in r} for r in rs] for v, rs in results.items()}
@@ -249,6 +267,8 @@ def table(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     base = statistics.median(r["tok_s"] for r in results["vanilla"]) if results.get("vanilla") else None
     rows = []
     for variant, runs in results.items():
+        if not runs:
+            continue
         speeds = [r["tok_s"] for r in runs]
         median = statistics.median(speeds)
         rows.append(
