@@ -63,7 +63,11 @@ def main() -> int:
     }
     t0 = time.time()
     compiled = inspect_tl_vllm.boot(
-        args.model, instrument=instrument, gpu_memory_utilization=0.3, max_model_len=1024, dtype=args.dtype
+        args.model,
+        instrument={**instrument, "max_vectors": args.requests + 8},
+        gpu_memory_utilization=0.3,
+        max_model_len=1024,
+        dtype=args.dtype,
     )
     summary["boot_compiled_s"] = round(time.time() - t0, 1)
     config = compiled.llm.llm_engine.vllm_config

@@ -32,12 +32,11 @@ def run(
     out_dir: str = "logs",
     save_vector: str | None = None,
 ) -> Path:
-    import torch
     from safetensors.torch import save_file
 
-    from inspect_tl_vllm.engine.api import boot
+    from inspect_tl_vllm.engine.api import boot, on_cpu_build
 
-    on_gpu = torch.cuda.is_available()
+    on_gpu = not on_cpu_build()
     settings = {} if on_gpu else {"enforce_eager": True, "dtype": "float32", "max_model_len": 1024}
     if not on_gpu:
         os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")  # CPU: skip minutes of C++ compilation

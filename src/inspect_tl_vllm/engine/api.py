@@ -40,10 +40,22 @@ class Generation:
     positions: dict[str, list[int]] = field(default_factory=dict)
 
 
+def on_cpu_build() -> bool:
+    """Whether vLLM runs on its CPU platform.
+
+    Asks vLLM's platform detection (NVML) rather than ``torch.cuda.is_available()``: the latter
+    initialises the CUDA driver in this process, and vLLM then forks its engine core into a
+    process where CUDA cannot start ("Cannot re-initialize CUDA in forked subprocess").
+    """
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def cpu_defaults(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
     """Engine settings that make vLLM's CPU build practical, unless given: a small KV cache
     (it would take most of RAM) and eager mode (compiling costs a minute and gains little)."""
-    if torch.cuda.is_available():
+    if not on_cpu_build():
         return engine_kwargs
     return {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, **engine_kwargs}
 
