@@ -41,8 +41,8 @@ def load(log: str | Path | Any, activations_dir: str | None = None, verify: bool
     records = []
     for sample in eval_log.samples or []:
         entry = entries.get((repr(sample.id), int(sample.epoch)))
-        if entry is None:
-            continue
+        if entry is None or entry.get("sample_uuid") not in (None, sample.uuid):
+            continue  # no file, or one left by an earlier attempt of this (sample, epoch) that failed
         scores = {name: score.value for name, score in (sample.scores or {}).items()}
         records.append(
             SampleActivations(

@@ -9,14 +9,22 @@ plus ``index.jsonl`` that joins them to eval id, sample id, epoch and sample uui
   readers keep the last line per (sample id, epoch).
 - File names are derived from a hash of the sample id, so ids with ``/``, ``..`` or odd
   characters cannot escape the directory.
+- A write that fails (disk full, file size limit) raises an error naming the folder and the cause,
+  and leaves neither a partial file nor a partial index line behind.
+- ``link_sample`` adds a file stored for an earlier eval (one that ``eval-retry`` reused a sample
+  from) to a later eval's folder, with a hard link and an index line of its own.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
+import shutil
 import tempfile
+import uuid
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -68,17 +76,21 @@ def write_sample(
     """
     from safetensors.torch import save
 
-    directory.mkdir(parents=True, exist_ok=True)
     name = sample_file_name(sample_id, epoch)
     blob = save({hook: tensor.contiguous() for hook, tensor in activations.items()})
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(blob)
-        os.replace(tmp, directory / name)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+        try:
+            os.fchmod(fd, 0o644)  # mkstemp's 0600 would hide the file from the group, unlike the index
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(blob)
+            os.replace(tmp, directory / name)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+    except OSError as err:
+        raise _write_error(directory, name, err) from err
     entry = {
         "eval_id": eval_id,
         "sample_id": sample_id,
@@ -96,13 +108,69 @@ def write_sample(
         },
         **(extra or {}),
     }
-    line = (json.dumps(entry, sort_keys=True) + "\n").encode()
-    fd = os.open(directory / INDEX, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-    try:
-        os.write(fd, line)
-    finally:
-        os.close(fd)
+    _append_index(directory, entry)
     return entry
+
+
+def link_sample(directory: Path, *, eval_id: str, source: Path, entry: dict[str, Any]) -> dict[str, Any]:
+    """Add a sample file that ``source`` (an earlier eval's folder) holds to ``directory``.
+
+    ``eval-retry`` copies completed samples into the new log without running them, so their
+    activations exist only in the first log's folder. A hard link (a copy across file systems)
+    makes the new folder complete without storing the bytes twice; the new index line names
+    the new eval and where the file came from.
+    """
+    tmp = directory / f".tmp-{uuid.uuid4().hex}"
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(source / entry["file"], tmp)
+        except OSError:
+            shutil.copyfile(source / entry["file"], tmp)
+        os.replace(tmp, directory / entry["file"])
+    except OSError as err:
+        tmp.unlink(missing_ok=True)
+        raise _write_error(directory, entry["file"], err) from err
+    carried = {**entry, "eval_id": eval_id, "carried_from": {"eval_id": entry["eval_id"], "dir": str(source)}}
+    _append_index(directory, carried)
+    return carried
+
+
+def _append_index(directory: Path, entry: dict[str, Any]) -> None:
+    """Append one index line with a single ``write`` (appends of concurrent writers never
+    interleave). After a short write (disk full, file size limit) the rest is written or, when
+    that fails, the part already written is cut off and the cause raised: the index never holds
+    a partial line."""
+    line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+    path = directory / INDEX
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            written = os.write(fd, line)
+            start = os.lseek(fd, 0, os.SEEK_CUR) - written  # where this line began (O_APPEND)
+            try:
+                while written < len(line):  # a short write: writing the rest fails with the cause
+                    more = os.write(fd, line[written:])
+                    if more == 0:
+                        raise OSError(errno.EIO, "the index line could not be written")
+                    written += more
+            except OSError:
+                os.ftruncate(fd, start)
+                raise
+        finally:
+            os.close(fd)
+    except OSError as err:
+        raise _write_error(directory, INDEX, err) from err
+
+
+def _write_error(directory: Path, name: str, err: OSError) -> OSError:
+    """An OSError (same errno) that names the folder, the file and the cause."""
+    cause = err.strerror or str(err)
+    return OSError(
+        err.errno,
+        f"cannot write activations to {directory} ({name}: {cause}); no partial file or index line was kept. "
+        "Free disk space or set -M activations_dir=DIR, then finish the failed samples with `inspect eval-retry <log>`",
+    )
 
 
 def read_index(directory: Path) -> list[dict[str, Any]]:
@@ -111,10 +179,17 @@ def read_index(directory: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     latest: dict[tuple[str, int], dict[str, Any]] = {}
-    for line in path.read_text().splitlines():
-        if line.strip():
+    for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
             entry = json.loads(line)
-            latest[(repr(entry["sample_id"]), int(entry["epoch"]))] = entry
+            key = (repr(entry["sample_id"]), int(entry["epoch"]))
+        except (ValueError, KeyError, TypeError):
+            # A torn line (power loss mid-append) must not hide every other sample's entry.
+            warnings.warn(f"{path}:{number}: skipping an unreadable index line", stacklevel=2)
+            continue
+        latest[key] = entry
     return list(latest.values())
 
 

@@ -28,7 +28,8 @@ from inspect_ai.model import (
 from inspect_ai.tool import ToolChoice, ToolInfo
 
 from inspect_tl_vllm.aliases import resolve_model
-from inspect_tl_vllm.engine.frontend import PreparedRequest, max_input_position
+from inspect_tl_vllm.engine.frontend import PreparedRequest, max_input_position, merge_fetched
+from inspect_tl_vllm.provider import carry_over as _carry_over  # noqa: F401 (registers the eval-retry hook)
 from inspect_tl_vllm.provider.engine_pool import EngineThread, shared_engine
 from inspect_tl_vllm.provider.model_args import parse_model_args
 from inspect_tl_vllm.specs import TAG, RequestSpec, SpecError, parse_request_spec
@@ -195,7 +196,7 @@ class TLVLLMAPI(ModelAPI):
         if prepared is not None:
             generated = max(len(c.token_ids) for c in final.outputs)
             wanted = [[prepared.uid, max_input_position(len(prompt_ids), generated)]]
-            payload = (await engine.collective_rpc("tlvllm_fetch", args=(wanted,)))[0][0]
+            payload = merge_fetched(await engine.collective_rpc("tlvllm_fetch", args=(wanted,)))[0]
         return final, payload
 
     # -- results ---------------------------------------------------------------------------
@@ -249,19 +250,22 @@ class TLVLLMAPI(ModelAPI):
                 from inspect_tl_vllm.storage import write_sample
 
                 directory = self._activations_dir(active)
-                entry = write_sample(
-                    directory,
-                    eval_id=active.eval_id,
-                    sample_id=active.sample.id,
-                    epoch=active.epoch,
-                    sample_uuid=active.sample_uuid,
-                    activations=result.activations,
-                    tokens=result.receipt.get("captures", {}),
-                    extra={
-                        "model": self.model_name,
-                        "reduce": prepared.spec.capture.reduce if prepared.spec.capture else None,
-                    },
-                )
+                try:
+                    entry = write_sample(
+                        directory,
+                        eval_id=active.eval_id,
+                        sample_id=active.sample.id,
+                        epoch=active.epoch,
+                        sample_uuid=active.sample_uuid,
+                        activations=result.activations,
+                        tokens=result.receipt.get("captures", {}),
+                        extra={
+                            "model": self.model_name,
+                            "reduce": prepared.spec.capture.reduce if prepared.spec.capture else None,
+                        },
+                    )
+                except OSError as err:  # disk full, file size limit: fail this sample, name it
+                    raise OSError(err.errno, f"{where}: {err.strerror or err}") from err
                 record["activations"].update({"dir": str(directory), "file": entry["file"], "sha256": entry["sha256"]})
         return record
 
