@@ -52,12 +52,23 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
-    import inspect_tl_vllm
-    from inspect_tl_vllm.aliases import resolve_model
-
     summary: dict = {"device": torch.cuda.get_device_name(0), "model": args.model, "dtype": args.dtype}
     tolerance = 2e-2 if args.dtype == "bfloat16" else 1e-3
     failures: list[str] = []
+    try:
+        run_checks(args, summary, failures, tolerance)
+    except Exception as err:  # keep what was measured before the failure
+        failures.append(f"check crashed: {type(err).__name__}: {err}")
+    summary["failures"] = failures
+    report(summary, args.out)
+    return 1 if failures else 0
+
+
+def run_checks(args: argparse.Namespace, summary: dict, failures: list[str], tolerance: float) -> None:
+    """The checks in order; each writes its numbers into ``summary`` as it goes."""
+    import inspect_tl_vllm
+    from inspect_tl_vllm.aliases import resolve_model
+
     instrument = {
         "hook_points": ["blocks.*.hook_resid_pre", "blocks.*.hook_resid_post", *HOOKS, "blocks.5.hook_attn_out"]
     }
@@ -170,9 +181,6 @@ def main() -> int:
         failures.append("the concurrent batch never carried several differently steered requests in one step")
     if worst_iso > 5e-2 or same_tokens < 0.9 * n:
         failures.append("concurrent requests differ from their solo runs")
-    summary["failures"] = failures
-    report(summary, args.out)
-    return 1 if failures else 0
 
 
 def report(summary: dict, out: str | None) -> None:

@@ -210,7 +210,17 @@ def main() -> int:
         parent, child = context.Pipe()
         process = context.Process(target=serve, args=(kind, path, engine_args, prompts, child))
         process.start()
-        info = parent.recv()
+        child.close()  # so that a child dying during boot reads as EOF here, not as a hang
+        try:
+            info = parent.recv()
+        except EOFError:
+            print(
+                f"[bench] {kind} engine failed to boot (exit code {process.join(30) or process.exitcode})", flush=True
+            )
+            summary["errors"] = {**summary.get("errors", {}), kind: "engine failed to boot; see the log above"}
+            write_summary(summary, {}, args.out, final=True)
+            stop(engines)
+            return 1
         print(f"[bench] {kind} engine up: {json.dumps(info)}", flush=True)
         summary[f"{kind}_engine"] = info
         engines[kind] = (process, parent)
@@ -239,10 +249,17 @@ def main() -> int:
             results[variant].append(result)
             print(f"[bench] round {round_index + 1} {variant}: {result['tok_s']:.0f} tok/s", flush=True)
         write_summary(summary, results, args.out, final=round_index == args.runs - 1)  # partial results survive a kill
-    for _, (process, conn) in engines.items():
+    stop(engines)
+    return 0
+
+
+def stop(engines: dict[str, Any]) -> None:
+    """Ask each engine process to exit; terminate one that does not within two minutes."""
+    for process, conn in engines.values():
         conn.send(None)
         process.join(timeout=120)
-    return 0
+        if process.is_alive():
+            process.terminate()
 
 
 def write_summary(
