@@ -8,7 +8,9 @@ Each variant is one ``inspect eval`` subprocess on the same task (``e2e_question
 settings and ``--max-connections`` equal to the sample count.  Reported per variant: wall
 time of the whole command (engine or server start included), the generation phase (first
 model call started to last model call finished, from the log's model events), output
-tokens, and the score.  ``vllm/`` runs with ``VLLM_PLUGINS=""`` so the server is plain vLLM.
+tokens, and the score.  ``tl-vllm`` boots with ``-M boot=eager`` so that, as with ``vllm/``
+(which starts its server first), the generation phase excludes the engine start.
+``vllm/`` runs with ``VLLM_PLUGINS=""`` so the server is plain vLLM.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: P
         model, extra = f"vllm/{model_path}", []
         env["VLLM_PLUGINS"] = ""
     else:
-        model, extra = f"tl-vllm/{model_path}", (STEER + CAPTURE if name == "tl_steer_capture" else [])
+        model, extra = f"tl-vllm/{model_path}", ["-M", "boot=eager"]
+        extra += STEER + CAPTURE if name == "tl_steer_capture" else []
     target = log_dir / name
     command = [
         "inspect", "eval", f"{Path(__file__).resolve()}@e2e_questions",

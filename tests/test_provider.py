@@ -225,6 +225,18 @@ def test_unknown_model_arg_is_named(tiny_llama_dir):
         TLVLLMAPI(str(tiny_llama_dir), max_len=5)
 
 
+def test_eager_boot_starts_the_engine_before_any_request(provider_args, tiny_llama_dir):
+    from inspect_tl_vllm import SpecError
+    from inspect_tl_vllm.provider.api import TLVLLMAPI
+
+    with pytest.raises(SpecError, match="-M boot='soon'"):
+        TLVLLMAPI(str(tiny_llama_dir), boot="soon")
+    lazy = TLVLLMAPI(str(tiny_llama_dir), **{**provider_args, "max_num_seqs": 3})
+    assert not lazy.engine.booted  # a model Inspect constructs but never calls costs nothing
+    eager = TLVLLMAPI(str(tiny_llama_dir), **{**provider_args, "max_num_seqs": 3, "boot": "eager"})
+    assert eager.engine is lazy.engine and eager.engine.booted
+
+
 def test_probe_scorer_reads_the_stored_activations(provider_args, tiny_llama_dir, tmp_path):
     from inspect_tl_vllm import activations
     from inspect_tl_vllm.probes import probe_scorer, probe_value, save_probe

@@ -9,6 +9,8 @@ summary and the steering receipt.
 
 from __future__ import annotations
 
+import logging
+import time
 import uuid
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,8 @@ from inspect_tl_vllm.provider import carry_over as _carry_over  # noqa: F401 (re
 from inspect_tl_vllm.provider.engine_pool import EngineThread, shared_engine
 from inspect_tl_vllm.provider.model_args import parse_model_args
 from inspect_tl_vllm.specs import TAG, RequestSpec, SpecError, parse_request_spec
+
+logger = logging.getLogger(__name__)
 
 STOP_REASONS = {"stop": "stop", "length": "max_tokens", "abort": "unknown"}
 
@@ -59,6 +63,10 @@ class TLVLLMAPI(ModelAPI):
             self.settings.engine_key(self.model_path),
             lambda: EngineThread(self.model_path, self.settings.instrument, engine_kwargs),
         )
+        if self.settings.boot == "eager" and not self.engine.booted:
+            started = time.perf_counter()
+            self.engine.boot_now()
+            logger.info(f"tl-vllm: engine for {model_name} ready in {time.perf_counter() - started:.0f} s")
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)

@@ -62,6 +62,10 @@ class EngineThread:
             )
             self.upload_lock = asyncio.Lock()
 
+    def boot_now(self) -> None:
+        """Boot from synchronous code and wait (``-M boot=eager``: errors before the eval starts)."""
+        asyncio.run_coroutine_threadsafe(self._boot(), self._start()).result()
+
     async def run(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """Run ``make()`` on the engine loop and await its result from the caller's loop."""
         future = asyncio.run_coroutine_threadsafe(make(), self._start())

@@ -39,6 +39,7 @@ PROVIDER_ARGS = (
     "activations_dir",
     "chat_template",
     "engine_args",
+    "boot",
 )
 
 
@@ -49,6 +50,7 @@ class ProviderSettings:
     run_spec: RequestSpec = field(default_factory=RequestSpec)
     activations_dir: str | None = None
     chat_template: str | None = None
+    boot: str = "lazy"  # lazy: at the first request; eager: when the model is constructed
 
     def engine_key(self, model: str) -> str:
         return json.dumps([model, self.engine, self.instrument.model_dump()], sort_keys=True, default=str)
@@ -139,4 +141,7 @@ def parse_model_args(args: dict[str, Any]) -> ProviderSettings:
             "dtype": args.get("capture_dtype", "float32"),
         }
         spec = spec.merged(parse_request_spec({"capture": capture}, "-M capture"))
-    return ProviderSettings(engine, instrument, spec, args.get("activations_dir"), args.get("chat_template"))
+    boot = str(args.get("boot", "lazy"))
+    if boot not in ("lazy", "eager"):
+        raise SpecError(f"-M boot={boot!r}: use lazy (at the first request) or eager (before the eval starts)")
+    return ProviderSettings(engine, instrument, spec, args.get("activations_dir"), args.get("chat_template"), boot)
