@@ -25,7 +25,13 @@ REFUSED = {
     "ubatch_size": "micro-batching splits each step with its own token order",
     "kv_sharing_fast_prefill": "fast prefill skips rows of some layers, so captures would come back short",
     "worker_extension_cls": "tl-vllm installs its own worker extension",
+    "data_parallel_size": (
+        "vLLM's data-parallel client returns a worker call's answer from the first replica only, so "
+        "captures of requests another replica served could not be fetched; run one eval per replica "
+        "(or tensor/pipeline parallel) instead"
+    ),
 }
+ONE_IS_FINE = {"ubatch_size", "data_parallel_size"}
 
 
 @dataclass
@@ -42,7 +48,7 @@ def check_engine_args(engine_kwargs: dict[str, Any]) -> None:
     """Refuse, by name, engine settings under which captures or steering would be wrong."""
     for name, why in REFUSED.items():
         value = engine_kwargs.get(name)
-        if value and not (name == "ubatch_size" and value == 1):
+        if value and not (name in ONE_IS_FINE and value == 1):
             raise SpecError(f"engine argument {name}={value!r} is not supported with instrumentation: {why}")
     extra = engine_kwargs.get("additional_config") or {}
     if CONFIG_KEY in extra:

@@ -17,6 +17,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from inspect_tl_vllm.engine.construct import InstrumentedLLM, construct_instrumented_llm
+from inspect_tl_vllm.engine.frontend import check_sites_landed, merge_status
 from inspect_tl_vllm.specs import InstrumentConfig
 
 T = TypeVar("T")
@@ -57,9 +58,17 @@ class EngineThread:
     async def _boot(self) -> None:
         # Runs on the engine loop, one coroutine at a time: a second caller finds it booted.
         if self._core is None:
-            self._core = construct_instrumented_llm(
+            core = construct_instrumented_llm(
                 self._model, instrument=self._instrument, async_engine=True, **self._kwargs
             )
+            try:
+                check_sites_landed(
+                    core.instrumentation, merge_status(await core.engine.collective_rpc("tlvllm_status"))
+                )
+            except RuntimeError:
+                core.engine.shutdown()
+                raise
+            self._core = core
             self.upload_lock = asyncio.Lock()
 
     def boot_now(self) -> None:
