@@ -13,6 +13,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from inspect_tl_vllm.instrument.vectors import write_vector_file
 from inspect_tl_vllm.specs import SpecError
 
 
@@ -56,17 +57,3 @@ def extract_vectors(engine: Any, pairs: list[tuple[Any, Any]], hooks: list[str],
 
 def save_vectors(vectors: dict, path: Path, *, model: str, count: int, reduce: str) -> None:
     write_vector_file(vectors, path, {"model": model, "count": str(count), "reduce": reduce})
-
-
-def write_vector_file(vectors: dict, path: Path, metadata: dict[str, str]) -> None:
-    """The one steering-vector file layout (extract-vector and import-vector both write it): a float32
-    tensor per hook point, keyed by the hook's name so that ``path:hook`` picks it, and metadata with
-    each hook's layer and norm next to the caller's provenance fields."""
-    from safetensors.torch import save_file
-
-    from inspect_tl_vllm.specs import parse_hook_point
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    hooks = {h: {"layer": parse_hook_point(h)[0], "norm": float(v.norm())} for h, v in vectors.items()}
-    meta = {**metadata, "hooks": json.dumps(hooks)}
-    save_file({h: v.contiguous() for h, v in vectors.items()}, str(path), metadata=meta)

@@ -33,8 +33,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from inspect_tl_vllm.extract import write_vector_file
-from inspect_tl_vllm.instrument.vectors import read_vector_file, split_vector_ref
+from inspect_tl_vllm.instrument.vectors import read_vector_file, split_vector_ref, write_vector_file
 from inspect_tl_vllm.specs import SpecError, parse_hook_point
 
 GGUF_FORMAT = "gguf-controlvector"

@@ -7,6 +7,7 @@ Accepted: inline lists, ``.safetensors`` (``path`` with one tensor, or ``path:ke
 from __future__ import annotations
 
 import hashlib
+import json
 import pickle
 import re
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inspect_tl_vllm.specs import SpecError
+from inspect_tl_vllm.specs import SpecError, parse_hook_point
 
 
 def load_vector(ref: list[float] | str, width: int, *, where: str = "vector") -> torch.Tensor:
@@ -104,3 +105,15 @@ def _pick(tensors: dict[str, torch.Tensor], key: str, path: Path, where: str) ->
 
 def vector_hash(vector: torch.Tensor) -> str:
     return "sha256:" + hashlib.sha256(vector.numpy().tobytes()).hexdigest()[:32]
+
+
+def write_vector_file(vectors: dict, path: Path, metadata: dict[str, str]) -> None:
+    """The one steering-vector file layout (extract-vector and import-vector both write it): a float32
+    tensor per hook point, keyed by the hook's name so that ``path:hook`` picks it, and metadata with
+    each hook's layer and norm next to the caller's provenance fields."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    hooks = {h: {"layer": parse_hook_point(h)[0], "norm": float(v.norm())} for h, v in vectors.items()}
+    meta = {**metadata, "hooks": json.dumps(hooks)}
+    save_file({h: v.contiguous() for h, v in vectors.items()}, str(path), metadata=meta)
