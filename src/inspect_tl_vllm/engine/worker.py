@@ -106,6 +106,8 @@ class Controller:
         self.host_seconds["harvest"] += time.perf_counter() - started
 
     def _register(self, req_id: str) -> None:
+        if req_id in self.live:  # a preempted request sent again: keep what it has captured so far
+            return
         request = self.runner.requests[req_id]
         params = request.sampling_params
         wire = (params.extra_args or {}).get(TAG) if params is not None else None
