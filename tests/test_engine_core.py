@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import assert_batch_matches_solo
+from conftest import assert_batch_matches_solo, boot_engine
 from hf_reference import hf_activations, hf_greedy, load_hf
 
 pytestmark = pytest.mark.engine
@@ -235,3 +235,32 @@ def test_a_hook_that_never_ran_fails_boot_loudly():
     )
     with pytest.raises(RuntimeError, match=r"never ran during warm-up at \['blocks.0.hook_resid_post'\]"):
         verify_hooks_fired(SimpleNamespace(_tlvllm=controller))
+
+
+def test_preempted_requests_capture_each_position_once_and_match_their_solo_runs(vllm_ready, tiny_llama_dir):
+    # KV cache for 512 tokens (768 bytes per token on the tiny model), four CPU blocks of 128: the
+    # requests outgrow their first block together and vLLM preempts some, recomputing their rows later.
+    engine = boot_engine(tiny_llama_dir, instrument={"hook_points": ["all"]}, kv_cache_memory_bytes=512 * 768)
+    torch.manual_seed(5)
+    vector = torch.randn(64).tolist()
+    hooks = ["blocks.0.hook_resid_post", "ln_final.hook_normalized"]
+    specs = [
+        {
+            "interventions": [{"hook": "blocks.1.hook_resid_post", "vector": vector, "coef": c}],
+            "capture": {"hooks": hooks},
+        }
+        for c in (0.0, 2.0, 4.0)
+    ] * 2
+    prompts = [f"Tell me a long story about the number {i}" for i in range(6)]
+    try:
+        together = engine.generate(prompts, specs=specs, max_tokens=150, ignore_eos=True)
+        assert engine.status()["resumed_after_preemption"] > 0
+        for prompt, spec, joint in zip(prompts, specs, together, strict=True):
+            alone = engine.generate([prompt], specs=[spec], max_tokens=150, ignore_eos=True)[0]
+            assert joint.token_ids == alone.token_ids
+            assert joint.positions == alone.positions  # every position once, none twice
+            assert joint.positions[hooks[0]] == list(range(len(joint.prompt_token_ids) + 149))
+            for hook in hooks:
+                assert torch.allclose(joint.activations[hook], alone.activations[hook], atol=1e-5, rtol=1e-5)
+    finally:
+        engine.llm.llm_engine.engine_core.shutdown()

@@ -228,6 +228,7 @@ def merge_status(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
         "pending_results": sum(status["pending_results"] for status in recording),
         "workers": len(per_worker),
         "steps": max(status["steps"] for status in per_worker),
+        "resumed_after_preemption": max(status["resumed_after_preemption"] for status in per_worker),
         "host_seconds": recording[0]["host_seconds"] if len(recording) == 1 else [s["host_seconds"] for s in recording],
     }
 

@@ -68,6 +68,7 @@ class Controller:
         self.results: dict[str, RequestState] = {}  # uid -> state, until fetched
         self.host_seconds = {"route": 0.0, "harvest": 0.0}  # where this worker's own host time goes
         self.steps = 0
+        self.resumed = 0  # instrumented requests resumed after preemption (their rows are recomputed)
         log.info(
             "tl-vllm: %d of %d hook sites on this worker (%s), %.1f MiB of buffers",
             len(self.sites),
@@ -84,6 +85,7 @@ class Controller:
             self.live.pop(req_id, None)
         for new in scheduler_output.scheduled_new_reqs:
             self._register(new.req_id)
+        self.resumed += len(self.live.keys() & scheduler_output.scheduled_cached_reqs.resumed_req_ids)
         entries = []
         if self.live:
             batch = self.runner.input_batch
@@ -187,6 +189,7 @@ class Controller:
             "pending_results": len(self.results),
             "collects": self.router.collect,
             "steps": self.steps,
+            "resumed_after_preemption": self.resumed,
             "host_seconds": {key: round(value, 3) for key, value in self.host_seconds.items()},
         }
 
