@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inspect_tl_vllm.instrument.hookpoints import build_sites, canonical_hook_point, layout_for
-from inspect_tl_vllm.instrument.routing import scope_mask
+from inspect_tl_vllm.instrument.routing import Scope
 from inspect_tl_vllm.instrument.vectors import load_vector
 from inspect_tl_vllm.specs import InstrumentConfig, SpecError, parse_hook_point, parse_request_spec
 
@@ -63,11 +63,12 @@ def test_gemma_attn_out_is_after_its_post_attention_norm():
     assert sites["blocks.1.hook_resid_mid"].module == "pre_feedforward_layernorm"
 
 
-def test_position_scopes():
+def test_position_scopes_agree_for_blocks_and_single_rows():
     positions = np.arange(8)
-    assert scope_mask(positions, 5, "prompt").tolist() == [True] * 5 + [False] * 3
-    assert scope_mask(positions, 5, "generated").sum() == 3
-    assert np.nonzero(scope_mask(positions, 5, [-1, 0, 6]))[0].tolist() == [0, 4, 6]
+    for raw, expected in (("prompt", [0, 1, 2, 3, 4]), ("generated", [5, 6, 7]), ([-1, 0, 6], [0, 4, 6])):
+        scope = Scope.resolve(raw, prompt_len=5)
+        assert np.nonzero(scope.mask(positions))[0].tolist() == expected  # prefill chunks
+        assert [p for p in range(8) if scope.covers(p)] == expected  # decode rows
 
 
 def test_vector_files_are_checked_and_never_unpickled(tmp_path):
@@ -85,7 +86,7 @@ def test_vector_files_are_checked_and_never_unpickled(tmp_path):
         load_vector(str(tmp_path / "nan.npy"), 4)
     pickled = tmp_path / "evil.pt"
     torch.save({"v": torch.ones(4), "obj": object()}, pickled)
-    with pytest.raises(SpecError, match="cannot read"):
+    with pytest.raises(SpecError, match="needs full unpickling.*refused"):
         load_vector(str(pickled), 4)
     (tmp_path / "broken.safetensors").write_bytes(b"garbage")
     with pytest.raises(SpecError, match="cannot read"):
