@@ -93,7 +93,7 @@ def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: P
         extra += STEER + CAPTURE if name == "tl_steer_capture" else []
     target = log_dir / name
     command = [
-        "inspect", "eval", f"{Path(__file__).resolve()}@e2e_questions",
+        sys.executable, "-m", "inspect_ai", "eval", f"{Path(__file__).resolve()}@e2e_questions",
         "--model", model, *engine, *extra,
         "-T", f"samples={args.samples}", "-T", f"max_tokens={args.max_tokens}",
         "--max-connections", str(args.samples), "--log-dir", str(target), "--display", "plain",
