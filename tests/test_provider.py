@@ -79,6 +79,7 @@ def test_eval_steers_only_where_asked_and_stores_matching_activations(
         stored = records[f"s{i}"].activations[HOOK]
         assert stored.shape == direct.activations[HOOK].shape
         assert float((stored - direct.activations[HOOK]).norm() / direct.activations[HOOK].norm()) < 1e-5
+        assert records[f"s{i}"].positions[HOOK] == direct.positions[HOOK]  # each row's token position
         meta = sample.output.metadata["tlvllm"]
         assert meta["activations"]["hooks"][HOOK]["shape"] == list(stored.shape)
         steered_rows = [x["rows"] for x in meta["receipt"]["interventions"]]

@@ -244,6 +244,7 @@ def eval_log_with_activations(tmp: Path) -> Path:
             sample_uuid=sample.uuid,
             activations=acts,
             tokens={hook: 3 for hook in acts},
+            positions={hook: [4, 5, 9] for hook in acts} if reduce == "none" else None,
             extra={"model": "tiny", "reduce": reduce},
         )
     return Path(log.location)
@@ -267,7 +268,8 @@ def test_parquet_export_reads_back_the_numbers_load_gives(tmp_path, capsys):
         for hook, tensor in record.activations.items():
             reduced = record.sample_id == 2
             for row, value in enumerate(tensor.float()):
-                expected[(record.sample_id, record.epoch, hook, None if reduced else row)] = (value, record.scores)
+                position = None if reduced else [4, 5, 9][row]  # the stored token positions
+                expected[(record.sample_id, record.epoch, hook, position)] = (value, record.scores)
     assert got.keys() == expected.keys() and len(table) == 14
     for key, (value, scores) in expected.items():
         assert torch.equal(torch.tensor(got[key]["vector"], dtype=torch.float32), value), key

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from inspect_tl_vllm.storage import activations_dir_for, read_index, read_sample
+from inspect_tl_vllm.storage import activations_dir_for, read_index, read_sample, unpack_positions
 
 
 @dataclass
@@ -26,6 +26,12 @@ class SampleActivations:
     scores: dict[str, Any]
     activations: dict[str, torch.Tensor] = field(default_factory=dict)
     index: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def positions(self) -> dict[str, list[int]]:
+        """Sequence position of each stored row, per hook point (per-token captures only)."""
+        hooks = self.index.get("hooks", {})
+        return {hook: unpack_positions(info["positions"]) for hook, info in hooks.items() if "positions" in info}
 
 
 def load(log: str | Path | Any, activations_dir: str | None = None, verify: bool = True) -> list[SampleActivations]:
@@ -76,9 +82,10 @@ def export_parquet(records: list[SampleActivations], path: str | Path) -> int:
     """Write one row per (sample, epoch, hook, position) to Parquet, so the activations can be queried
     with pandas/polars/DuckDB next to their scores; returns the number of rows.
 
-    Columns: ``sample_id``, ``epoch``, ``hook``, ``position`` (row index within the stored capture, the
-    token position for captures over all positions; null for captures reduced per sample), one
-    ``score_<name>`` column per scorer, and ``vector`` (fixed-size list of float32)."""
+    Columns: ``sample_id``, ``epoch``, ``hook``, ``position`` (the token's position in the sequence;
+    for files written before positions were stored, the row's index within the capture; null for
+    captures reduced per sample), one ``score_<name>`` column per scorer, and ``vector`` (fixed-size
+    list of float32)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -108,9 +115,13 @@ def _parquet_blocks(
     """(record, hook, float32 rows, positions) per stored tensor; a reduced capture is one row, position None."""
     for record in records:
         reduced = record.index.get("reduce") not in (None, "none")
+        stored = record.positions
         for hook, tensor in record.activations.items():
             rows = tensor.float().reshape(-1, tensor.shape[-1]).numpy()
-            yield record, hook, rows, [None] * len(rows) if reduced else list(range(len(rows)))
+            if reduced:
+                yield record, hook, rows, [None] * len(rows)
+            else:
+                yield record, hook, rows, stored.get(hook) or list(range(len(rows)))
 
 
 def _arrow_column(values: list[Any]) -> Any:

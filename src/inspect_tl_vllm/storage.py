@@ -68,11 +68,13 @@ def write_sample(
     sample_uuid: str,
     activations: dict[str, torch.Tensor],
     tokens: dict[str, int],
+    positions: dict[str, list[int]] | None = None,
     extra: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Write one sample's activations atomically and append its index line; returns the entry.
 
-    ``tokens`` is how many token rows each hook point's tensor stands for (before any reduction).
+    ``tokens`` is how many token rows each hook point's tensor stands for (before any reduction);
+    ``positions`` gives, for per-token captures, the sequence position of each stored row.
     """
     from safetensors.torch import save
 
@@ -103,6 +105,7 @@ def write_sample(
                 "shape": list(t.shape),
                 "dtype": str(t.dtype).removeprefix("torch."),
                 "tokens": tokens.get(hook, 0),
+                **({"positions": pack_positions(positions[hook])} if positions and hook in positions else {}),
             }
             for hook, t in activations.items()
         },
@@ -110,6 +113,20 @@ def write_sample(
     }
     _append_index(directory, entry)
     return entry
+
+
+def pack_positions(positions: list[int]) -> dict[str, int] | list[int]:
+    """A run of consecutive positions (the usual case) as ``{"start", "stop"}``, else the list,
+    so that index lines stay short for long captures."""
+    if positions and positions == list(range(positions[0], positions[0] + len(positions))):
+        return {"start": positions[0], "stop": positions[0] + len(positions)}
+    return list(positions)
+
+
+def unpack_positions(packed: dict[str, int] | list[int]) -> list[int]:
+    if isinstance(packed, dict):
+        return list(range(packed["start"], packed["stop"]))
+    return list(packed)
 
 
 def link_sample(directory: Path, *, eval_id: str, source: Path, entry: dict[str, Any]) -> dict[str, Any]:

@@ -267,6 +267,7 @@ class TLVLLMAPI(ModelAPI):
                         sample_uuid=active.sample_uuid,
                         activations=result.activations,
                         tokens=result.receipt.get("captures", {}),
+                        positions=result.positions,
                         extra={
                             "model": self.model_name,
                             "reduce": prepared.spec.capture.reduce if prepared.spec.capture else None,
