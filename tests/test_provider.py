@@ -226,6 +226,17 @@ def test_unknown_model_arg_is_named(tiny_llama_dir):
         TLVLLMAPI(str(tiny_llama_dir), max_len=5)
 
 
+def test_concurrent_first_requests_boot_one_engine(provider_args, tiny_llama_dir, tmp_path):
+    from inspect_tl_vllm.provider import engine_pool
+
+    args = {**provider_args, "max_num_seqs": 7}  # settings no other test uses: this eval boots the engine
+    samples = [Sample(id=f"c{i}", input=q) for i, q in enumerate(QUESTIONS)]
+    log = run_eval(tiny_llama_dir, args, samples, tmp_path, max_connections=4)
+    assert log.status == "success"
+    [engine] = [e for e in engine_pool._ENGINES.values() if e._kwargs.get("max_num_seqs") == 7]
+    assert engine.boots == 1, f"{engine.boots} engines booted for one set of settings"
+
+
 def test_eager_boot_starts_the_engine_before_any_request(provider_args, tiny_llama_dir):
     from inspect_tl_vllm import SpecError
     from inspect_tl_vllm.provider.api import TLVLLMAPI

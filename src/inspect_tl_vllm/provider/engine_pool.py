@@ -35,6 +35,8 @@ class EngineThread:
         self._instrument = instrument
         self._kwargs = engine_kwargs
         self._core: InstrumentedLLM | None = None
+        self._boot_lock = asyncio.Lock()  # concurrent first requests must boot one engine, not one each
+        self.boots = 0
 
     @property
     def booted(self) -> bool:
@@ -56,8 +58,12 @@ class EngineThread:
         return self._core
 
     async def _boot(self) -> None:
-        # Runs on the engine loop, one coroutine at a time: a second caller finds it booted.
-        if self._core is None:
+        # Runs on the engine loop; the boot awaits the workers, so other callers wait on the lock
+        # and then find the engine booted.
+        async with self._boot_lock:
+            if self._core is not None:
+                return
+            self.boots += 1
             core = construct_instrumented_llm(
                 self._model, instrument=self._instrument, async_engine=True, **self._kwargs
             )
