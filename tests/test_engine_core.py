@@ -170,6 +170,9 @@ def test_refused_engine_settings_are_named():
         check_engine_args({"speculative_config": {"method": "ngram"}})
     with pytest.raises(SpecError, match="additional_config"):
         check_engine_args({"additional_config": {"tlvllm": {}}})
+    with pytest.raises(SpecError, match="data_parallel_size=2 .* first replica only"):
+        check_engine_args({"data_parallel_size": 2})
+    check_engine_args({"data_parallel_size": 1, "ubatch_size": 1})  # the defaults spelled out are fine
 
 
 def test_chunked_prefill_captures_every_row_like_one_pass(tiny_engine, tiny_llama_dir):
