@@ -126,6 +126,8 @@ def main() -> int:
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
+    from gpu_check import report  # bench/ is on sys.path when this file runs as a script
+
     from inspect_tl_vllm.aliases import resolve_model
 
     model_path = resolve_model(args.model)
@@ -137,10 +139,7 @@ def main() -> int:
             if r.get("generation_s"):
                 r["wall_ratio_to_vllm"] = round(r["wall_s"] / base["wall_s"], 3)
                 r["generation_ratio_to_vllm"] = round(r["generation_s"] / base["generation_s"], 3)
-    text = json.dumps(summary, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text)
+    report(summary, args.out)
     return 0 if all(r["returncode"] == 0 for r in results) else 1
 
 
