@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inspect_tl_vllm.instrument.hookpoints import build_sites, canonical_hook_point, layout_for
-from inspect_tl_vllm.instrument.routing import Scope
+from inspect_tl_vllm.instrument.plans import Scope
 from inspect_tl_vllm.instrument.vectors import load_vector
 from inspect_tl_vllm.specs import InstrumentConfig, SpecError, parse_hook_point, parse_request_spec
 

@@ -135,7 +135,9 @@ class Engine:
             for o, r in zip(outputs, prepared, strict=True)
             if r is not None
         ]
-        fetched = iter(merge_fetched(self.llm.collective_rpc("tlvllm_fetch", args=(wanted,))) if wanted else [])
+        fetched = iter(
+            merge_fetched(self.llm.collective_rpc("tlvllm_fetch", args=front.fetch_args(wanted))) if wanted else []
+        )
         results = []
         for i, (out, request) in enumerate(zip(outputs, prepared, strict=True)):
             completion = out.outputs[0]

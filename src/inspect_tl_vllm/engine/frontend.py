@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from inspect_tl_vllm.engine.handoff import HandoffFolder
 from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, canonical_hook_point, layout_for
 from inspect_tl_vllm.instrument.vectors import load_vector, vector_hash
 from inspect_tl_vllm.specs import InstrumentConfig, RequestSpec, SpecError
@@ -70,6 +71,7 @@ class Instrumentation:
         self.hidden_size = int(text_config.hidden_size)
         self.sites: dict[str, Site] = build_sites(layout_for(architecture), self.num_layers, settings.hook_points)
         self.uploaded: set[str] = set()
+        self.handoff = HandoffFolder()
 
     def site(self, hook: str, where: str) -> Site:
         canonical_hook_point(hook, self.num_layers)  # precise error for layers out of range
@@ -159,8 +161,11 @@ class Instrumentation:
         self.uploaded.update(fresh)
         return save(fresh)
 
-    @staticmethod
-    def decode(payload: dict[str, Any] | None, where: str = "request") -> CaptureResult:
+    def fetch_args(self, wanted: list[list[Any]]) -> tuple[list[list[Any]], list[str]]:
+        """Arguments of the ``tlvllm_fetch`` RPC for ``wanted`` ([uid, last input position] pairs)."""
+        return wanted, self.handoff.ticket()
+
+    def decode(self, payload: dict[str, Any] | None, where: str = "request") -> CaptureResult:
         if payload is None:
             raise SteeringNotApplied(f"{where}: the worker has no record of this request (was the engine restarted?)")
         activations: dict[str, torch.Tensor] = {}
@@ -168,6 +173,8 @@ class Instrumentation:
             from safetensors.torch import load
 
             activations = load(payload["tensors"])
+        for name in payload.get("files", []):
+            activations.update(self.handoff.take(name))
         return CaptureResult(payload["receipt"], activations, payload.get("positions", {}))
 
 
@@ -199,8 +206,10 @@ def _merge_parts(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     tensors: dict[str, torch.Tensor] = {}
     receipt: dict[str, Any] = {"interventions": [], "captures": {}, "error": None}
     positions: dict[str, list[int]] = {}
+    files: list[str] = []
     for part in parts:
         assert part is not None
+        files += part.get("files", [])
         if part["tensors"]:
             tensors.update(load(part["tensors"]))
         positions.update(part["positions"])
@@ -213,6 +222,7 @@ def _merge_parts(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
         "receipt": receipt,
         "positions": positions,
         "tensors": save(tensors) if tensors else b"",
+        "files": files,
     }
 
 

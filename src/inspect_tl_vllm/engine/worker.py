@@ -17,13 +17,17 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from inspect_tl_vllm.engine.config import CONFIG_KEY
+from inspect_tl_vllm.engine.handoff import shared_folder, write_tensors
 from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, layout_for
-from inspect_tl_vllm.instrument.routing import BatchEntry, RequestState, StepRouter, plan_request
+from inspect_tl_vllm.instrument.plans import RequestState, finish_pooled, plan_request
+from inspect_tl_vllm.instrument.routing import StepRouter
 from inspect_tl_vllm.instrument.runtime import HookRuntime, install_hooks
 from inspect_tl_vllm.specs import TAG
 
@@ -82,23 +86,17 @@ class Controller:
         """Route the step: only instrumented requests are looked at, so plain traffic costs nothing."""
         started = time.perf_counter()
         for req_id in scheduler_output.finished_req_ids:
-            self.live.pop(req_id, None)
+            state = self.live.pop(req_id, None)
+            if state is not None:
+                self.router.retire(state)
         for new in scheduler_output.scheduled_new_reqs:
             self._register(new.req_id)
         self.resumed += len(self.live.keys() & scheduler_output.scheduled_cached_reqs.resumed_req_ids)
-        entries = []
-        if self.live:
-            batch = self.runner.input_batch
-            row_starts = self.runner.query_start_loc.np
-            for req_id, state in self.live.items():
-                i = batch.req_id_to_index.get(req_id)
-                if i is None:  # preempted, or not scheduled in this step
-                    continue
-                start = int(row_starts[i])
-                count = int(row_starts[i + 1]) - start
-                if count:
-                    entries.append(BatchEntry(state, start, count, int(batch.num_computed_tokens_cpu[i])))
-        self.router.begin_step(entries)
+        batch = self.runner.input_batch
+        states = self.router.states
+        index_of = batch.req_id_to_index  # preempted or unscheduled requests are absent: -1
+        batch_index = np.fromiter((index_of.get(s.req_id, -1) for s in states), dtype=np.int64, count=len(states))
+        self.router.begin_step(batch_index, self.runner.query_start_loc.np, batch.num_computed_tokens_cpu)
         self.steps += 1
         self.host_seconds["route"] += time.perf_counter() - started
 
@@ -120,7 +118,9 @@ class Controller:
         except (KeyError, ValueError) as err:
             state = RequestState(uid=wire["uid"], prompt_len=request.num_prompt_tokens, steer=[], capture=[])
             state.error = f"instrumentation refused this request: {err}"
+        state.req_id = req_id
         self.live[req_id] = state
+        self.router.admit(state)
         if self.router.collect:
             self.results[state.uid] = state
 
@@ -141,38 +141,37 @@ class Controller:
             self.bank_rows[key] = row
         return len(self.bank_rows)
 
-    def fetch(self, wanted: list[list[Any]]) -> list[dict[str, Any] | None] | None:
-        """Results per wanted uid; None from a rank that records nothing (TP rank > 0)."""
+    def fetch(self, wanted: list[list[Any]], ticket: list[str] | None = None) -> list[dict[str, Any] | None] | None:
+        """Results per wanted uid; None from a rank that records nothing (TP rank > 0).
+
+        ``ticket`` names the front end's hand-off folder (see ``handoff.py``)."""
         if not self.router.collect:
             return None
         self.router.drain()
-        return [self._pack(uid, int(max_pos)) for uid, max_pos in wanted]
+        folder = shared_folder(ticket)
+        return [self._pack(uid, int(max_pos), folder) for uid, max_pos in wanted]
 
-    def _pack(self, uid: str, max_pos: int) -> dict[str, Any] | None:
-        from safetensors.torch import save
-
+    def _pack(self, uid: str, max_pos: int, folder: Path | None) -> dict[str, Any] | None:
         state = self.results.pop(uid, None)
         if state is None:
             return None
+        self.router.snapshot(state)
         dtype = _DTYPES[state.dtype]
         tensors: dict[str, torch.Tensor] = {}
         positions: dict[str, list[int]] = {}
-        for item in state.capture:
-            if state.reduce == "none":
-                kept, rows = item.per_token(max_pos)
-                positions[item.hook] = kept
-                width = self.runtime.hidden_size
-                tensors[item.hook] = (
-                    torch.zeros(0, width, dtype=dtype) if rows is None else torch.from_numpy(rows).to(dtype)
-                )
-            elif item.count:
-                row = item.total / item.count if state.reduce == "mean" else item.best
-                tensors[item.hook] = torch.from_numpy(row).to(torch.float32).to(dtype).unsqueeze(0)
+        if state.pooled:
+            for hook, row in finish_pooled(state, max_pos).items():
+                tensors[hook] = torch.from_numpy(row).to(dtype).unsqueeze(0)
+        for item in state.capture if state.reduce == "none" else []:
+            kept, rows = item.per_token(max_pos)
+            positions[item.hook] = kept
+            width = self.runtime.hidden_size
+            tensors[item.hook] = torch.zeros(0, width, dtype=dtype) if rows is None else rows.to(dtype)
         return {
             "uid": uid,
             "receipt": state.receipt(),
             "positions": positions,
-            "tensors": save(tensors) if tensors else b"",
+            **write_tensors(folder, uid, tensors),
         }
 
     def status(self) -> dict[str, Any]:
@@ -276,8 +275,8 @@ class TLWorkerExtension:
     def tlvllm_put_vectors(self, blob: bytes) -> int:
         return self._tl_controller().put_vectors(blob)
 
-    def tlvllm_fetch(self, wanted: list[list[Any]]) -> list[dict[str, Any] | None]:
-        return self._tl_controller().fetch(wanted)
+    def tlvllm_fetch(self, wanted: list[list[Any]], ticket: list[str] | None = None) -> list[dict[str, Any] | None]:
+        return self._tl_controller().fetch(wanted, ticket)
 
     def tlvllm_status(self) -> dict[str, Any]:
         return self._tl_controller().status()

@@ -204,7 +204,9 @@ class TLVLLMAPI(ModelAPI):
         if prepared is not None:
             generated = max(len(c.token_ids) for c in final.outputs)
             wanted = [[prepared.uid, max_input_position(len(prompt_ids), generated)]]
-            payload = merge_fetched(await engine.collective_rpc("tlvllm_fetch", args=(wanted,)))[0]
+            payload = merge_fetched(
+                await engine.collective_rpc("tlvllm_fetch", args=core.instrumentation.fetch_args(wanted))
+            )[0]
         return final, payload
 
     # -- results ---------------------------------------------------------------------------

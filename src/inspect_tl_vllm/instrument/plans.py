@@ -1,0 +1,211 @@
+"""What a worker keeps for one instrumented request: its steering items, its captures and
+their position scopes, resolved from the wire spec the front end sent.
+
+The step router (``routing.py``) gives each request and each steering item an integer
+*slot*; per-step counters live in the router's arrays under those slots, so a decode step
+is a handful of numpy operations over all requests instead of Python work per request.
+The numbers are copied back into these objects (``settle``) when results are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+OP_STAGES = {  # op -> (mult, add, proj) as functions of coef
+    "add": lambda c: (1.0, c, 0.0),
+    "scale": lambda c: (c, 0.0, 0.0),
+    "set": lambda c: (0.0, c, 0.0),
+    "ablate": lambda c: (1.0, 0.0, c),
+}
+SCOPE_CODES = {"all": 0, "prompt": 1, "generated": 2, "listed": 3}
+POOLED = ("mean", "last", "max_norm")  # reductions computed on the device
+
+
+@dataclass
+class Scope:
+    """A position scope (see specs.PositionScope) resolved against one prompt length."""
+
+    kind: str  # all | prompt | generated | listed
+    prompt_len: int
+    listed: frozenset[int] = frozenset()
+
+    @classmethod
+    def resolve(cls, scope: Any, prompt_len: int) -> Scope:
+        if isinstance(scope, str):
+            return cls(scope, prompt_len)
+        return cls("listed", prompt_len, frozenset(p + prompt_len if p < 0 else p for p in scope))
+
+    @property
+    def code(self) -> int:
+        return SCOPE_CODES[self.kind]
+
+    def covers(self, pos: int) -> bool:
+        if self.kind == "all":
+            return True
+        if self.kind == "prompt":
+            return pos < self.prompt_len
+        if self.kind == "generated":
+            return pos >= self.prompt_len
+        return pos in self.listed
+
+    def mask(self, positions: np.ndarray) -> np.ndarray:
+        if self.kind == "all":
+            return np.ones(positions.shape, dtype=bool)
+        if self.kind == "prompt":
+            return positions < self.prompt_len
+        if self.kind == "generated":
+            return positions >= self.prompt_len
+        return np.isin(positions, np.fromiter(self.listed, dtype=np.int64, count=len(self.listed)))
+
+
+@dataclass
+class SteerItem:
+    index: int  # position in the request's intervention list (receipts merge across ranks by it)
+    label: str
+    site: int
+    stage: int
+    stage_row: np.ndarray  # (bank row, mult, add, proj) as written into the site's table
+    scope: Scope
+    slot: int = -1  # the router's counter slot while the request is live
+    rows: int = 0
+    norm_delta_sum: float = 0.0
+    fired: bool = True
+
+
+@dataclass
+class CaptureItem:
+    hook: str
+    site: int
+    blocks: list[tuple[np.ndarray, torch.Tensor]] = field(default_factory=list)  # reduce none: (positions, rows)
+    pooled: tuple[np.ndarray, float, np.ndarray] | None = None  # read from the device: (reduced, best norm, pending)
+
+    def per_token(self, max_pos: int) -> tuple[list[int], torch.Tensor | None]:
+        """Positions (sorted, at most ``max_pos``) and their rows, for ``reduce="none"``."""
+        if not self.blocks:
+            return [], None
+        positions = np.concatenate([p for p, _ in self.blocks])
+        order = np.argsort(positions, kind="stable")
+        order = order[positions[order] <= max_pos]
+        if len(self.blocks) == 1 and np.array_equal(order, np.arange(len(positions))):
+            return positions.tolist(), self.blocks[0][1]
+        rows = torch.cat([r for _, r in self.blocks])
+        return positions[order].tolist(), rows.index_select(0, torch.from_numpy(order))
+
+
+@dataclass
+class RequestState:
+    """What the worker keeps for one request until the front end fetches it."""
+
+    uid: str
+    prompt_len: int
+    steer: list[SteerItem]
+    capture: list[CaptureItem]
+    req_id: str = ""
+    capture_scope: Scope | None = None
+    reduce: str = "none"
+    dtype: str = "float32"
+    max_bytes: int = 1 << 30
+    slot: int = -1  # the router's slot while the request is live
+    captured: int = 0  # rows captured per hook point (all hook points see the same rows)
+    pending_pos: int = -1  # pooled captures: position of the newest row, kept out of the reduction (see pooling.py)
+    bytes_used: int = 0
+    error: str | None = None
+
+    @property
+    def pooled(self) -> bool:
+        return bool(self.capture) and self.reduce in POOLED
+
+    def receipt(self) -> dict[str, Any]:
+        return {
+            "interventions": [
+                {
+                    "index": s.index,
+                    "label": s.label,
+                    "rows": s.rows,
+                    "mean_norm_change": (s.norm_delta_sum / s.rows) if s.rows else 0.0,
+                    "fired": s.fired,
+                }
+                for s in self.steer
+            ],
+            "captures": {c.hook: self.captured_rows(c) for c in self.capture},
+            "error": self.error,
+        }
+
+    def captured_rows(self, item: CaptureItem) -> int:
+        if self.reduce == "none":
+            return sum(len(p) for p, _ in item.blocks)
+        return self.captured
+
+
+def finish_pooled(state: RequestState, max_pos: int) -> dict[str, np.ndarray]:
+    """The reduced row of each pooled capture, counting the newest row only if it was an input.
+
+    Under asynchronous scheduling a request that stopped at a step is scheduled once more
+    before vLLM knows it stopped; that step's row (the final token fed back) was never an
+    input of the answer.  The device keeps each request's newest row apart (``pending``), and
+    it joins the reduction here only when its position is at most ``max_pos``.
+    """
+    keep = 0 <= state.pending_pos <= max_pos
+    if state.pending_pos > max_pos:
+        state.captured -= 1
+        state.pending_pos = -1
+    out = {}
+    for item in state.capture:
+        if item.pooled is None or state.captured == 0:
+            continue
+        reduced, best_norm, pending = item.pooled
+        if state.reduce == "mean":
+            row = (reduced + pending) if keep else reduced
+            out[item.hook] = row / state.captured
+        elif state.reduce == "last":
+            out[item.hook] = pending if keep else reduced
+        else:
+            better = keep and float(np.linalg.norm(pending)) > best_norm
+            out[item.hook] = pending if better else reduced
+    return out
+
+
+def plan_request(
+    wire: dict[str, Any], prompt_len: int, bank_rows: dict[str, int], owned_sites: set[int] | None = None
+) -> RequestState:
+    """Turn a request's wire spec (built by the front end) into worker-side state.
+
+    ``owned_sites`` (pipeline parallel) keeps only the items at sites this worker runs.
+    """
+
+    def owned(site: int) -> bool:
+        return owned_sites is None or site in owned_sites
+
+    steer = []
+    for index, item in enumerate(wire.get("steer", [])):
+        site = int(item["site"])
+        if not owned(site):
+            continue
+        vector = item.get("vector")
+        if vector is not None and vector not in bank_rows:
+            raise KeyError(f"vector {vector} was not uploaded to this worker")
+        bank_row = bank_rows[vector] if vector is not None else 0
+        stage_row = np.array([bank_row, *OP_STAGES[item["op"]](float(item["coef"]))], dtype=np.float32)
+        steer.append(
+            SteerItem(
+                index=index,
+                label=item["label"],
+                site=site,
+                stage=int(item["stage"]),
+                stage_row=stage_row,
+                scope=Scope.resolve(item["positions"], prompt_len),
+            )
+        )
+    state = RequestState(uid=wire["uid"], prompt_len=prompt_len, steer=steer, capture=[])
+    cap = wire.get("capture")
+    if cap:
+        state.capture = [CaptureItem(hook=name, site=int(site)) for name, site in cap["hooks"] if owned(int(site))]
+        state.capture_scope = Scope.resolve(cap["positions"], prompt_len)
+        state.reduce = cap["reduce"]
+        state.dtype = cap["dtype"]
+        state.max_bytes = int(cap["max_bytes"])
+    return state

@@ -1,0 +1,74 @@
+"""Pooled captures (mean, last, max_norm): folded on the device by the step router, finished
+on the host.
+
+The engine tests compare every reduction with a reference through the real CPU engine.
+These drive the real router on CPU buffers through what those runs cannot produce on CPU:
+the newest row of a request that vLLM's asynchronous scheduling computes once more after the
+request stopped (it must be left out), and two requests folded in the same steps.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope, finish_pooled
+from inspect_tl_vllm.instrument.routing import StepRouter
+from inspect_tl_vllm.instrument.runtime import HookRuntime
+
+WIDTH = 8
+
+
+def pooled_state(reduce: str, prompt_len: int) -> RequestState:
+    state = RequestState(uid=reduce, prompt_len=prompt_len, steer=[], capture=[CaptureItem(hook="h", site=0)])
+    state.capture_scope, state.reduce = Scope.resolve("all", prompt_len), reduce
+    return state
+
+
+def run_steps(reduce: str, steps: list[tuple[torch.Tensor, list[int], list[int], list[int]]]) -> list[RequestState]:
+    """Per step: the staging rows the hook would have written, then the batch index of each
+    request, the row offsets and the computed-token counts, as the worker passes them."""
+    runtime = HookRuntime(
+        site_indices=[0], hidden_size=WIDTH, max_tokens=16, max_stack=1, max_vectors=1,
+        device=torch.device("cpu"), act_dtype=torch.float32,
+    )  # fmt: skip
+    router = StepRouter(runtime)
+    states = [pooled_state(reduce, 3), pooled_state(reduce, 2)]
+    for state in states:
+        router.admit(state)
+    for staging, batch_index, query_start, computed in steps:
+        router.begin_step(np.array(batch_index), np.array(query_start), np.array(computed))
+        runtime.sites[0].staging[: len(staging)] = staging
+        router.end_step()
+    router.drain()
+    for state in states:
+        router.snapshot(state)
+    return states
+
+
+def reference(rows: torch.Tensor, reduce: str) -> np.ndarray:
+    return {"mean": rows.mean(0), "last": rows[-1], "max_norm": rows[rows.norm(dim=1).argmax()]}[reduce].numpy()
+
+
+@pytest.mark.parametrize("reduce", ["mean", "last", "max_norm"])
+@pytest.mark.parametrize("spurious", [False, True])
+def test_prefill_then_decode_two_requests(reduce: str, spurious: bool) -> None:
+    """Request a: a 3-row prefill, then two decode rows; request b (prompt 2) alongside, in
+    swapped batch order at the second step.  With ``spurious`` a's last row (position 4)
+    was computed after a had stopped, so it is no input of the answer and must not count."""
+    torch.manual_seed(0)
+    ra = torch.randn(5, WIDTH) * torch.tensor([1.0, 5.0, 2.0, 0.5, 9.0])[:, None]
+    rb = torch.randn(3, WIDTH)
+    steps = [
+        (torch.cat([ra[:3], rb[:2]]), [0, 1], [0, 3, 5], [0, 0]),  # prefill of both
+        (torch.stack([rb[2], ra[3]]), [1, 0], [0, 1, 2], [2, 3]),  # decode, b first in the batch
+        (ra[4:5], [0, -1], [0, 1], [4]),  # a alone; b not scheduled
+    ]
+    a, b = run_steps(reduce, steps)
+    kept = ra[:4] if spurious else ra
+    got = finish_pooled(a, 3 if spurious else 4)["h"]
+    assert a.captured == len(kept)
+    np.testing.assert_allclose(got, reference(kept, reduce), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(finish_pooled(b, 2)["h"], reference(rb, reduce), rtol=1e-5, atol=1e-6)
+    assert b.captured == 3
