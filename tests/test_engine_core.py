@@ -3,6 +3,8 @@ isolation inside one continuous batch, position scopes and receipts."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -23,6 +25,19 @@ def test_batch_generation_is_deterministic_with_expected_shapes(tiny_engine):
     assert [g.token_ids for g in first] == [g.token_ids for g in again]
     assert all(len(g.token_ids) == 6 for g in first)
     assert all(g.receipt == {} and g.activations == {} for g in first)
+
+
+def test_finished_requests_leave_the_worker(tiny_engine):
+    """Requests that all finish in the same step are reported finished in a step with no
+    tokens, which vLLM runs without ``_preprocess``; the worker must still let them go,
+    or every later step routes over all requests ever served."""
+    spec = {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [0.5] * 64}]}
+    for _ in range(2):
+        tiny_engine.generate(PROMPTS, specs=[spec] * len(PROMPTS), max_tokens=3, ignore_eos=True)
+    deadline = time.monotonic() + 10
+    while (live := tiny_engine.status()["live_requests"]) and time.monotonic() < deadline:
+        time.sleep(0.1)  # the finishing step runs just after the last outputs went out
+    assert live == 0
 
 
 def test_captures_equal_transformers_at_every_hook_point(tiny_engine, tiny_llama_dir):

@@ -236,6 +236,7 @@ def merge_status(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
         "vectors": max(status["vectors"] for status in per_worker),
         "max_requests_steered_in_one_step": max(s["max_requests_steered_in_one_step"] for s in per_worker),
         "pending_results": sum(status["pending_results"] for status in recording),
+        "live_requests": max(status["live_requests"] for status in per_worker),
         "workers": len(per_worker),
         "steps": max(status["steps"] for status in per_worker),
         "resumed_after_preemption": max(status["resumed_after_preemption"] for status in per_worker),

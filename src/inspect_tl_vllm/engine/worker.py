@@ -7,7 +7,8 @@ runtime, registers the hooks and wraps two methods of that worker's model runner
 
 - ``_preprocess``: the batch layout is final here and vLLM's own input copies happen here,
   so the routing tables are written in the same place and stream order as vLLM's inputs.
-- ``execute_model``: after the step, harvest captures and steering receipts.
+- ``execute_model``: before the step, let go of finished requests; after it, harvest
+  captures and steering receipts.
 
 ``TLWorkerExtension`` adds the RPC methods the front end calls with ``collective_rpc``.
 Its method names must not exist on vLLM's Worker (vLLM asserts that), hence the prefix.
@@ -85,10 +86,6 @@ class Controller:
     def before_forward(self, scheduler_output: Any) -> None:
         """Route the step: only instrumented requests are looked at, so plain traffic costs nothing."""
         started = time.perf_counter()
-        for req_id in scheduler_output.finished_req_ids:
-            state = self.live.pop(req_id, None)
-            if state is not None:
-                self.router.retire(state)
         for new in scheduler_output.scheduled_new_reqs:
             self._register(new.req_id)
         self.resumed += len(self.live.keys() & scheduler_output.scheduled_cached_reqs.resumed_req_ids)
@@ -99,6 +96,18 @@ class Controller:
         self.router.begin_step(batch_index, self.runner.query_start_loc.np, batch.num_computed_tokens_cpu)
         self.steps += 1
         self.host_seconds["route"] += time.perf_counter() - started
+
+    def retire_finished(self, scheduler_output: Any) -> None:
+        """Let go of requests vLLM has finished.
+
+        Called on every ``execute_model``: the step that reports the last requests of a
+        batch as finished schedules no tokens, and vLLM returns before ``_preprocess``
+        for it, so routing never sees those ids (the live set then grew without bound).
+        """
+        for req_id in scheduler_output.finished_req_ids:
+            state = self.live.pop(req_id, None)
+            if state is not None:
+                self.router.retire(state)
 
     def after_forward(self) -> None:
         started = time.perf_counter()
@@ -186,6 +195,7 @@ class Controller:
             "vectors": len(self.bank_rows),
             "max_requests_steered_in_one_step": steered,
             "pending_results": len(self.results),
+            "live_requests": len(self.live),
             "collects": self.router.collect,
             "steps": self.steps,
             "resumed_after_preemption": self.resumed,
@@ -229,6 +239,7 @@ def attach(worker: Any) -> None:
         return preprocess(scheduler_output, *args, **kwargs)
 
     def execute_model(*args: Any, **kwargs: Any) -> Any:
+        controller.retire_finished(args[0] if args else kwargs["scheduler_output"])
         try:
             return execute(*args, **kwargs)
         finally:
