@@ -1,13 +1,20 @@
 """GPU correctness check (CUDA graphs and async scheduling on), run on a CUDA machine:
 
-    python bench/gpu_check.py [--model smollm2] [--requests 64] [--out results.json]
+    python bench/gpu_check.py [--model smollm2] [--requests 64] [--dtype float32] [--out results.json]
 
 1. The compiled engine really runs with torch.compile, CUDA graphs and async scheduling.
 2. Every hook fires under CUDA graph replay (fired counters advance each step).
-3. Captures of the compiled engine equal the eager engine's (bf16 tolerance) and equal
-   transformers on the same weights; steered greedy tokens equal eager steered tokens.
+3. Captures of the compiled engine equal the eager engine's and transformers' on the same
+   weights; steered greedy tokens equal eager steered tokens.
 4. N concurrent requests with distinct vectors and captures each equal their run alone.
 Prints a JSON summary and exits non-zero if a check fails.
+
+The strict run is float32 (relative error 1e-3, tokens equal).  In bfloat16 the compiled
+and eager engines run different kernels (fused residual-add + RMSNorm, Inductor fusions) and
+round differently; on the H200 (2026-12-02) greedy tokens then diverged within 24 tokens even
+for a request with no steering, and prompt captures differed by up to 4.2% over 30 layers
+(transformers vs compiled: 1.5%).  So ``--dtype bfloat16`` checks captures at 5e-2 and
+reports, without failing on, token equality.
 """
 
 from __future__ import annotations
@@ -48,12 +55,12 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--requests", type=int, default=64)
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--dtype", default="float32", choices=["bfloat16", "float32"])
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     summary: dict = {"device": torch.cuda.get_device_name(0), "model": args.model, "dtype": args.dtype}
-    tolerance = 2e-2 if args.dtype == "bfloat16" else 1e-3
+    tolerance = 5e-2 if args.dtype == "bfloat16" else 1e-3
     failures: list[str] = []
     try:
         run_checks(args, summary, failures, tolerance)
@@ -132,8 +139,8 @@ def run_checks(args: argparse.Namespace, summary: dict, failures: list[str], tol
     summary["steered_text"] = got_c[0].text
     if worst > tolerance:
         failures.append(f"compiled captures differ from eager: {worst}")
-    if not summary["compiled_vs_eager_tokens_equal"][0]:
-        failures.append("steered greedy tokens differ between compiled and eager")
+    if args.dtype == "float32" and not all(summary["compiled_vs_eager_tokens_equal"]):
+        failures.append("greedy tokens differ between compiled and eager")
 
     from transformers import AutoModelForCausalLM
 
@@ -150,7 +157,7 @@ def run_checks(args: argparse.Namespace, summary: dict, failures: list[str], tol
         got_c[1].activations["blocks.10.hook_resid_post"], acts["r10"].cpu()
     )
     if summary["hf_vs_compiled_resid_post10_rel_err"] > tolerance:
-        failures.append("compiled captures differ from transformers beyond bf16 tolerance")
+        failures.append(f"compiled captures differ from transformers beyond {tolerance}")
     del hf
 
     n = args.requests
