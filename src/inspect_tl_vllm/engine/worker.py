@@ -230,6 +230,12 @@ def attach(worker: Any) -> None:
     runner = worker.model_runner
     controller = Controller(runner, settings)
     worker._tlvllm = controller
+    # vLLM sizes the KV cache as the memory budget minus the weights (measured while the
+    # model loads, before these buffers exist) and the profile run's peak *increase* (taken
+    # after they exist), so the buffers would be counted nowhere and the engine would exceed
+    # gpu_memory_utilization by their size.  Count them with the weights.
+    if hasattr(runner, "model_memory_usage"):
+        runner.model_memory_usage += controller.runtime.memory_bytes()
 
     preprocess = runner._preprocess
     execute = runner.execute_model
