@@ -5,8 +5,8 @@ to the host each step and reducing it there is wasted traffic and per-request Py
 site that has pooled captures gets accumulators indexed by request slot; after a step the
 router hands over the captured rows with their slots and a few index kernels fold them in,
 stream-ordered after the forward pass that wrote ``staging`` and before the next one
-overwrites it.  Nothing here synchronises with the device: rows are read back with
-``launch_read`` (an asynchronous copy that the router completes later).
+overwrites it.  Nothing here synchronises with the device: the router copies ``read``'s
+rows to pinned host memory asynchronously and completes the copy a step later.
 
 Slots index the accumulators; a slot is zeroed when a request is admitted to it.  Each
 request's newest row waits in ``pending`` until a newer one arrives, because under
