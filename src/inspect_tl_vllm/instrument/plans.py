@@ -62,6 +62,18 @@ class Scope:
         return np.isin(positions, np.fromiter(self.listed, dtype=np.int64, count=len(self.listed)))
 
 
+def scopes_cover(kind: np.ndarray, prompt_len: np.ndarray, pos: np.ndarray) -> np.ndarray:
+    """``Scope.covers`` for many scopes at once, given their kind codes (``SCOPE_CODES``).
+
+    Listed scopes (and code -1, no scope) give False; callers check listed ones one by one.
+    """
+    return (
+        (kind == SCOPE_CODES["all"])
+        | ((kind == SCOPE_CODES["prompt"]) & (pos < prompt_len))
+        | ((kind == SCOPE_CODES["generated"]) & (pos >= prompt_len))
+    )
+
+
 @dataclass
 class SteerItem:
     index: int  # position in the request's intervention list (receipts merge across ranks by it)

@@ -88,9 +88,9 @@ class SiteAccumulators:
         return torch.cat([self.rows.index_select(0, slots), best, self.pending.index_select(0, slots)], dim=1)
 
 
-def slot_tensor(slots: np.ndarray, device: torch.device, pinned: bool) -> torch.Tensor:
+def device_index(indices: np.ndarray, device: torch.device, pinned: bool) -> torch.Tensor:
     """Slot or row indices on the device, without a host sync (pinned, non-blocking copy)."""
-    index = torch.from_numpy(np.ascontiguousarray(slots, dtype=np.int64))
+    index = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64))
     if not pinned:
         return index
     return index.pin_memory().to(device, non_blocking=True)

@@ -29,17 +29,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, SteerItem
-from inspect_tl_vllm.instrument.pooling import MODES, SiteAccumulators, slot_tensor
+from inspect_tl_vllm.instrument.plans import SCOPE_CODES, CaptureItem, RequestState, SteerItem, scopes_cover
+from inspect_tl_vllm.instrument.pooling import MODES, SiteAccumulators, device_index
 from inspect_tl_vllm.instrument.runtime import IDENTITY_STAGE, HookRuntime
 
-ALL, PROMPT, GENERATED, LISTED = 0, 1, 2, 3
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
-
-
-def _covers(kind: np.ndarray, prompt_len: np.ndarray, pos: np.ndarray) -> np.ndarray:
-    """Vectorised ``Scope.covers`` for the all/prompt/generated kinds (listed: False)."""
-    return (kind == ALL) | ((kind == PROMPT) & (pos < prompt_len)) | ((kind == GENERATED) & (pos >= prompt_len))
 
 
 @dataclass
@@ -263,16 +257,13 @@ class StepRouter:
         )
         if len(layout.s_state):
             self._steer_decode(layout, decode, starts, first, fresh, used, work)
-        if layout.pooled.any() and self.collect:
-            self._pool_decode(layout, decode, starts, first, fresh, work)
-        for k in layout.per_token:
-            if decode[k] and fresh[k]:
+        if self.collect and (layout.per_token or layout.pooled.any()):
+            captured = self._captured_decode_rows(layout, decode, first, fresh)
+            if (captured & layout.pooled).any():
+                self._pool_decode(layout, captured & layout.pooled, starts, first, work)
+            for k in layout.per_token:
                 state = layout.states[k]
-                if (
-                    state.error is None
-                    and state.capture_scope is not None
-                    and state.capture_scope.covers(int(first[k]))
-                ):
+                if captured[k] and state.error is None:
                     rows, positions = starts[k : k + 1], first[k : k + 1]
                     work.per_token.extend((state, item, rows, positions) for item in state.capture)
         for k in np.nonzero(active & ~decode)[0]:
@@ -292,7 +283,7 @@ class StepRouter:
         """Decode rows of every steered request at once: one fancy-indexed table write."""
         owner = layout.s_state
         pos = first[owner]
-        covered = _covers(layout.s_kind, layout.prompt_len[owner], pos)
+        covered = scopes_cover(layout.s_kind, layout.prompt_len[owner], pos)
         for m in layout.s_listed:
             covered[m] = layout.s_items[m].scope.covers(int(pos[m]))
         chosen = decode[owner] & covered
@@ -306,26 +297,23 @@ class StepRouter:
         if self.collect and counted.any():
             work.steer.append((layout.s_slot[chosen][counted], layout.s_site[chosen][counted], rows[counted]))
 
-    def _pool_decode(
-        self,
-        layout: _Layout,
-        decode: np.ndarray,
-        starts: np.ndarray,
-        first: np.ndarray,
-        fresh: np.ndarray,
-        work: _StepWork,
-    ) -> None:
-        """Decode rows of every pooled capture at once."""
-        ok = decode & fresh & layout.pooled
+    def _captured_decode_rows(
+        self, layout: _Layout, decode: np.ndarray, first: np.ndarray, fresh: np.ndarray
+    ) -> np.ndarray:
+        """Per live request: whether its decode row this step is new and inside its capture scope."""
         kind = layout.capture_kind
-        covered = _covers(kind, layout.prompt_len, first)
-        for k in np.nonzero(ok & (kind == LISTED))[0]:
+        captured = decode & fresh & (kind >= 0)
+        covered = scopes_cover(kind, layout.prompt_len, first)
+        for k in np.nonzero(captured & (kind == SCOPE_CODES["listed"]))[0]:
             covered[k] = layout.states[k].capture_scope.covers(int(first[k]))
-        ok &= covered
-        if not ok.any():
-            return
-        np.add.at(self._requests["captured"], layout.slot[ok], 1)
-        take = ok[layout.p_state]
+        return captured & covered
+
+    def _pool_decode(
+        self, layout: _Layout, captured: np.ndarray, starts: np.ndarray, first: np.ndarray, work: _StepWork
+    ) -> None:
+        """Decode rows of every pooled capture at once (``captured``: the requests whose row counts)."""
+        np.add.at(self._requests["captured"], layout.slot[captured], 1)
+        take = captured[layout.p_state]
         owner = layout.p_state[take]
         work.pooled.append((layout.p_site[take], layout.p_mode[take], starts[owner], layout.slot[owner], first[owner]))
 
@@ -366,7 +354,7 @@ class StepRouter:
     def _flush_resets(self) -> None:
         for site, slots in self._resets.items():
             if slots:
-                self._pools[site].reset(slot_tensor(np.array(slots), self.runtime.device, self.cuda))
+                self._pools[site].reset(device_index(np.array(slots), self.runtime.device, self.cuda))
         self._resets.clear()
 
     # -- after the step -------------------------------------------------------------------
@@ -406,7 +394,7 @@ class StepRouter:
             if 2 * rows.size >= hi - lo:  # dense: one contiguous copy
                 flight.captured[site] = (np.arange(lo, hi), self._to_host(staging[lo:hi]))
             else:
-                index = slot_tensor(rows, self.runtime.device, self.cuda)
+                index = device_index(rows, self.runtime.device, self.cuda)
                 flight.captured[site] = (rows, self._to_host(staging.index_select(0, index)))
         flight.event = self._record()
         return flight
@@ -431,7 +419,7 @@ class StepRouter:
                 earlier &= np.r_[newest[1:], False]
             carried = step_slots[pending[step_slots] >= 0]
             parts = [carried, r[earlier], s[earlier], step_slots, step_rows]
-            index = slot_tensor(np.concatenate(parts), device, self.cuda)
+            index = device_index(np.concatenate(parts), device, self.cuda)
             bounds = np.cumsum([0, *(len(part) for part in parts)]).tolist()
             carried_t, earlier_rows, earlier_slots, step_slots_t, step_rows_t = (
                 index[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)
@@ -455,7 +443,7 @@ class StepRouter:
                 if slots.size:
                     flight.pooled_reads[site] = (
                         slots,
-                        self._to_host(pool.read(slot_tensor(slots, pool.device, self.cuda))),
+                        self._to_host(pool.read(device_index(slots, pool.device, self.cuda))),
                     )
         flight.event = self._record()
         return flight
@@ -507,7 +495,7 @@ class StepRouter:
             slots = np.array([state.slot])
             for item in state.capture:
                 pool = self._pools[item.site]
-                reads[item.site] = (slots, pool.read(slot_tensor(slots, pool.device, self.cuda)).cpu())
+                reads[item.site] = (slots, pool.read(device_index(slots, pool.device, self.cuda)).cpu())
         self._settle(state, reads)
 
     def _settle(self, state: RequestState, reads: dict[int, tuple[np.ndarray, torch.Tensor]]) -> None:
