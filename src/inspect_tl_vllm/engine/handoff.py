@@ -67,6 +67,7 @@ def shared_folder(ticket: list[str] | None) -> Path | None:
 
 def write_tensors(folder: Path | None, uid: str, tensors: dict[str, Any]) -> dict[str, Any]:
     """The payload fields for ``tensors``: a file in ``folder`` when possible, else the bytes."""
+    from safetensors import SafetensorError
     from safetensors.torch import save, save_file
 
     if not tensors:
@@ -77,7 +78,7 @@ def write_tensors(folder: Path | None, uid: str, tensors: dict[str, Any]) -> dic
         try:
             save_file(tensors, str(path))
             return {"tensors": b"", "files": [path.name]}
-        except OSError:  # the folder is full or gone: send the bytes instead
+        except (OSError, SafetensorError):  # the folder is full or gone (safetensors wraps I/O errors)
             path.unlink(missing_ok=True)
     return {"tensors": save(tensors), "files": []}
 

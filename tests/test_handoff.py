@@ -1,0 +1,55 @@
+"""The activation hand-off (``engine/handoff.py``): files on a shared host, bytes otherwise.
+
+The engine tests go through the file path on every capture; these cover the fallbacks a CPU
+engine never takes: a worker that cannot see the folder (another node), a folder that fills
+up or disappears, and two hook names of one site giving views of the same rows.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import torch
+from safetensors.torch import load
+
+from inspect_tl_vllm.engine.handoff import HandoffFolder, shared_folder, write_tensors
+
+
+def tensors() -> dict[str, torch.Tensor]:
+    block = torch.arange(24, dtype=torch.float32).reshape(6, 4)
+    return {"blocks.0.hook_resid_post": block[1:3], "blocks.1.hook_resid_pre": block[1:3], "other": block[4:]}
+
+
+def test_same_host_round_trip_through_a_file_that_is_deleted_after_reading() -> None:
+    folder = HandoffFolder()
+    try:
+        payload = write_tensors(shared_folder(folder.ticket()), "uid", tensors())
+        assert payload["tensors"] == b"" and len(payload["files"]) == 1
+        got = folder.take(payload["files"][0])
+        assert all(torch.equal(got[k], v) for k, v in tensors().items())  # aliased views written apart
+        assert not (folder.path / payload["files"][0]).exists()
+    finally:
+        folder.close()
+    assert not folder.path.exists()
+
+
+def test_a_worker_that_cannot_prove_the_folder_sends_bytes(tmp_path) -> None:
+    folder = HandoffFolder()
+    try:
+        assert shared_folder([str(folder.path), "another front end's token"]) is None
+        assert shared_folder([str(tmp_path / "absent"), folder.token]) is None  # another node
+        assert shared_folder(None) is None
+        payload = write_tensors(None, "uid", tensors())
+        assert payload["files"] == []
+        assert torch.equal(load(payload["tensors"])["other"], tensors()["other"])
+    finally:
+        folder.close()
+
+
+def test_a_folder_that_vanished_falls_back_to_bytes() -> None:
+    folder = HandoffFolder()
+    seen = shared_folder(folder.ticket())
+    shutil.rmtree(folder.path)  # as if /dev/shm were cleaned, or full: the write fails with OSError
+    payload = write_tensors(seen, "uid", tensors())
+    assert payload["files"] == [] and set(load(payload["tensors"])) == set(tensors())
+    assert write_tensors(seen, "uid", {}) == {"tensors": b"", "files": []}
