@@ -20,7 +20,8 @@ Row 0 of the bank is zeros and the defaults (mult 1, add 0, proj 0) make a stage
 no-op, so unsteered rows pass through bit for bit.  The result is then copied into the
 site's ``staging`` (captures are read from there after the step), the change in L2 norm per
 row goes to ``norm_delta`` (steering receipts), and ``fired`` counts executions (the loud
-check that a hook really runs inside the compiled graph).
+check that a hook really runs inside the compiled graph).  ``site_op.py`` holds that math, as
+one operator that is a single Triton kernel on CUDA.
 """
 
 from __future__ import annotations
@@ -31,9 +32,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from inspect_tl_vllm.instrument import site_op  # noqa: F401  (registers torch.ops.tlvllm.site_hook)
 from inspect_tl_vllm.instrument.hookpoints import Site
 
-ROW, MULT, ADD, PROJ = 0, 1, 2, 3
 IDENTITY_STAGE = (0.0, 1.0, 0.0, 0.0)
 
 
@@ -78,24 +79,15 @@ class HookRuntime:
             for index in site_indices
         }
 
-    def apply(self, buffers: SiteBuffers, hidden: torch.Tensor) -> torch.Tensor:
-        """The hook math for one site; ``hidden`` is ``[num_tokens, hidden_size]``."""
-        rows = hidden.shape[0]
-        x = hidden.float()
-        before = torch.linalg.vector_norm(x, dim=-1)
-        table = buffers.table[:rows]
-        for stage in range(self.max_stack):
-            v = self.bank[table[:, stage, ROW].long()]
-            dot = (x * v).sum(dim=-1, keepdim=True)
-            mult = table[:, stage, MULT : MULT + 1]
-            add = table[:, stage, ADD : ADD + 1]
-            proj = table[:, stage, PROJ : PROJ + 1]
-            x = x * mult + add * v - proj * dot * v
-        out = x.to(hidden.dtype)
-        buffers.norm_delta[:rows].copy_(torch.linalg.vector_norm(out.float(), dim=-1) - before)
-        buffers.staging[:rows].copy_(out)
-        buffers.fired.add_(1)
-        return out
+    def apply(self, buffers: SiteBuffers, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
+        """The hook math for one site (``site_op.site_hook``); ``hidden`` is ``[num_tokens, hidden_size]``.
+
+        With ``residual`` the site sees ``hidden + residual`` and returns ``(stream, zeros)``
+        for the next fused add-norm; without it, the stream alone."""
+        out, residual_out = torch.ops.tlvllm.site_hook(
+            hidden, residual, buffers.table, self.bank, buffers.staging, buffers.norm_delta, buffers.fired
+        )
+        return out if residual is None else (out, residual_out)
 
     def fired(self) -> dict[int, int]:
         return {index: int(buffers.fired.item()) for index, buffers in self.sites.items()}
@@ -142,8 +134,7 @@ def _make_hook(site: Site, runtime: HookRuntime) -> Callable[..., Any]:
     if site.kind == "norm_in":
 
         def norm_in(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            out = apply(buffers, args[0] + args[1])
-            return (out, torch.zeros_like(out), *args[2:]), kwargs
+            return (*apply(buffers, args[0], args[1]), *args[2:]), kwargs
 
         return norm_in
 
@@ -151,8 +142,9 @@ def _make_hook(site: Site, runtime: HookRuntime) -> Callable[..., Any]:
 
         def layer_out(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
             hidden, residual = output[0], output[1]
-            out = apply(buffers, hidden if residual is None else hidden + residual)
-            return (out, torch.zeros_like(out), *output[2:])
+            if residual is None:  # a layer that hands on the whole stream (none of vLLM's today)
+                return (apply(buffers, hidden), torch.zeros_like(hidden), *output[2:])
+            return (*apply(buffers, hidden, residual), *output[2:])
 
         return layer_out
 

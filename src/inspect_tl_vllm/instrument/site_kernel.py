@@ -1,0 +1,99 @@
+"""The Triton kernel behind ``tlvllm::site_hook`` on CUDA (imported only there).
+
+One program per token row: load the row (adding the residual and rounding to the
+activation dtype, as vLLM's fused add-norm would), apply the stages, write the row out and
+to ``staging``, write the residual's zeros, the norm change, and let program 0 count the
+execution.  A stage whose bank row is 0 loads nothing (its vector is zeros), so an unsteered
+row costs one read and two or three writes of the row.  The arithmetic is ``reference``'s in
+float32, in the same order, so unsteered rows leave bit for bit unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+
+@triton.jit
+def _site_hook_kernel(
+    hidden,
+    residual,
+    out,
+    residual_out,
+    staging,
+    norm_delta,
+    fired,
+    table,
+    bank,
+    width,
+    hidden_stride,
+    residual_stride,
+    HAS_RESIDUAL: tl.constexpr,
+    STACK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    inside = cols < width
+    x = tl.load(hidden + row * hidden_stride + cols, mask=inside, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        r = tl.load(residual + row * residual_stride + cols, mask=inside, other=0.0).to(tl.float32)
+        x = (x + r).to(out.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
+        tl.store(residual_out + row * width + cols, tl.zeros([BLOCK], dtype=out.dtype.element_ty), mask=inside)
+    before = tl.sqrt(tl.sum(x * x, axis=0))
+    for stage in tl.static_range(STACK):
+        entry = table + (row * STACK + stage) * 4
+        vector_row = tl.load(entry).to(tl.int64)
+        mult = tl.load(entry + 1)
+        add = tl.load(entry + 2)
+        proj = tl.load(entry + 3)
+        v = tl.load(bank + vector_row * width + cols, mask=inside & (vector_row != 0), other=0.0)
+        dot = tl.sum(x * v, axis=0)
+        x = x * mult + add * v - proj * dot * v
+    y = x.to(out.dtype.element_ty, fp_downcast_rounding="rtne")
+    tl.store(out + row * width + cols, y, mask=inside)
+    tl.store(staging + row * width + cols, y, mask=inside)
+    yf = y.to(tl.float32)
+    tl.store(norm_delta + row, tl.sqrt(tl.sum(yf * yf, axis=0)) - before)
+    if row == 0:
+        tl.atomic_add(fired, 1)
+
+
+def launch(
+    hidden: Tensor,
+    residual: Tensor | None,
+    table: Tensor,
+    bank: Tensor,
+    staging: Tensor,
+    norm_delta: Tensor,
+    fired: Tensor,
+) -> tuple[Tensor, Tensor]:
+    rows, width = hidden.shape
+    if hidden.stride(1) != 1:
+        hidden = hidden.contiguous()
+    if residual is not None and residual.stride(1) != 1:
+        residual = residual.contiguous()
+    out = torch.empty((rows, width), dtype=hidden.dtype, device=hidden.device)
+    residual_out = torch.empty_like(out) if residual is not None else hidden.new_empty((0, width))
+    block = triton.next_power_of_2(width)
+    _site_hook_kernel[(rows,)](
+        hidden,
+        hidden if residual is None else residual,
+        out,
+        residual_out,
+        staging,
+        norm_delta,
+        fired,
+        table,
+        bank,
+        width,
+        hidden.stride(0),
+        0 if residual is None else residual.stride(0),
+        HAS_RESIDUAL=residual is not None,
+        STACK=table.shape[1],
+        BLOCK=block,
+        num_warps=max(1, min(16, block // 256)),
+    )
+    return out, residual_out
