@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Every GPU measurement of docs/BENCHMARKS.md, in steps that each fit one device call
+# (at most 10 minutes).  On a machine staged as ../shared/gpu/README.md says:
+#
+#   bash bench/gpu_run.sh check  OUTDIR   # install, prepare SmolLM2, hook cost, gpu_check (~6 min)
+#   bash bench/gpu_run.sh 8b     OUTDIR   # throughput, Llama-3-8B shape (~7 min)
+#   bash bench/gpu_run.sh e2e    OUTDIR   # inspect eval: vllm/ vs tl-vllm (~5 min)
+#   bash bench/gpu_run.sh smol   OUTDIR   # throughput, SmolLM2 (~5 min)
+#   python3 bench/tables.py OUTDIR        # the markdown tables for docs/BENCHMARKS.md
+#
+# Each step writes its JSON and log into OUTDIR.  If the fused hook kernel fails its check
+# against the reference in `check`, later steps run with TLVLLM_FUSED_HOOK=0 (torch ops)
+# and say so.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+step=${1:?usage: gpu_run.sh check|8b|e2e|smol OUTDIR}
+out=${2:?usage: gpu_run.sh STEP OUTDIR}
+mkdir -p "$out"
+[ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
+if [ -f /tmp/tlvllm-fused-off ]; then
+  export TLVLLM_FUSED_HOOK=0
+  echo "[gpu_run] the fused hook kernel failed its check: running the torch-op hooks" | tee -a "$out/$step.log"
+fi
+log="$out/$step.log"
+case "$step" in
+  check)
+    python3 -m pip install -q --no-deps --no-index --no-build-isolation . >"$log" 2>&1
+    python3 -m inspect_tl_vllm.cli prepare-model smollm2 >>"$log" 2>&1
+    if ! timeout 150 python3 bench/hook_cost.py --out "$out/hook_cost_8b.json" >>"$log" 2>&1; then
+      touch /tmp/tlvllm-fused-off
+      echo "[gpu_run] hook_cost: fused kernel check FAILED" | tee -a "$log"
+    fi
+    timeout 90 python3 bench/hook_cost.py --width 576 --sites 32 --out "$out/hook_cost_smollm2.json" >>"$log" 2>&1
+    [ -f /tmp/tlvllm-fused-off ] && export TLVLLM_FUSED_HOOK=0
+    timeout 330 python3 bench/gpu_check.py --requests 256 --out "$out/gpu_check.json" >>"$log" 2>&1
+    ;;
+  8b)
+    timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 5 \
+      --out "$out/throughput_8b.json" >"$log" 2>&1
+    ;;
+  e2e)
+    timeout 570 python3 bench/e2e.py --samples 256 --timeout 185 --out "$out/e2e.json" >"$log" 2>&1
+    ;;
+  smol)
+    timeout 570 python3 bench/throughput.py --model smollm2 --prompts 256 --new-tokens 256 --runs 5 \
+      --out "$out/throughput_smollm2.json" >"$log" 2>&1
+    ;;
+  *)
+    echo "unknown step $step" >&2
+    exit 2
+    ;;
+esac
+status=$?
+echo "[gpu_run] $step exited $status" | tee -a "$log"
+tail -n 25 "$log"
+exit $status

@@ -1,0 +1,132 @@
+"""Markdown tables for docs/BENCHMARKS.md from the JSON files that ``bench/gpu_run.sh`` writes.
+
+    python bench/tables.py OUTDIR
+
+Prints one section per file found: hook cost, GPU correctness, throughput (8B shape and
+SmolLM2, with the engines' KV-cache blocks and buffer memory) and end to end.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+TARGETS = {"plain": 0.99, "steer": 0.97, "capture": 0.95, "capture_all": 0.80}
+
+
+def hook_cost(data: dict[str, Any]) -> list[str]:
+    args = data["args"]
+    lines = [
+        f"Hook cost inside one CUDA graph: {args['sites']} sites, {args['rows']} rows, width {args['width']}, "
+        f"{args['dtype']} ({data['device']})",
+        "",
+        "| hooks | graph replay (µs) | per site (µs) |",
+        "|---|---|---|",
+    ]
+    for kind in ("none", "inductor", "fused"):
+        per_site = data["per_site_us"].get(kind)
+        lines.append(f"| {kind} | {data['graph_us'][kind]:.1f} | {'—' if per_site is None else f'{per_site:.2f}'} |")
+    lines += [
+        "",
+        "| fused vs reference | unsteered identical | steered max rel. error | staging = out |",
+        "|---|---|---|---|",
+    ]
+    for dtype, cases in data["correctness"].items():
+        for case, c in cases.items():
+            lines.append(
+                f"| {dtype}, {case} | {c['unsteered_rows_identical']} | {c['steered_max_rel_error']:.2e} "
+                f"| {c['staging_equals_out']} |"
+            )
+    return lines
+
+
+def gpu_check(data: dict[str, Any]) -> list[str]:
+    skip = {"steered_text"}
+    lines = [f"GPU check ({data.get('dtype')}, {data.get('device')})", "", "| check | result |", "|---|---|"]
+    lines += [f"| {key} | {value} |" for key, value in data.items() if key not in skip and key not in ("device",)]
+    return lines
+
+
+def throughput(data: dict[str, Any]) -> list[str]:
+    runs = data.get("runs", {})
+    lines = [
+        f"Throughput, {data['model']}: {data['prompts']} prompts x {data['new_tokens']} new tokens, "
+        f"{data['rounds_done']} rounds",
+        "",
+        "| variant | median tok/s | min–max | ratio to vanilla | target | median s | worker host: route / harvest s |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for row in data["table"]:
+        variant = row["variant"]
+        seconds = sorted(r["seconds"] for r in runs.get(variant, []))
+        host = [r.get("worker_host_s") for r in runs.get(variant, []) if r.get("worker_host_s")]
+        host_text = "—"
+        if host:
+            route = sorted(h["route"] for h in host)[len(host) // 2]
+            harvest = sorted(h["harvest"] for h in host)[len(host) // 2]
+            host_text = f"{route:.2f} / {harvest:.2f}"
+        target = TARGETS.get(variant)
+        lines.append(
+            f"| {variant} | {row['median_tok_s']:,.0f} | {row['min_tok_s']:,.0f}–{row['max_tok_s']:,.0f} "
+            f"| {row['ratio_to_vanilla']} | {'—' if target is None else f'≥ {target}'} "
+            f"| {seconds[len(seconds) // 2]:.2f} | {host_text} |"
+        )
+    lines += [
+        "",
+        "| engine | boot s | KV-cache blocks | hook buffers (GB) | sites | modes |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind in ("vanilla", "instrumented"):
+        info = data.get(f"{kind}_engine")
+        if info:
+            buffers = info.get("buffer_bytes")
+            lines.append(
+                f"| {kind} | {info['boot_s']} | {info['kv_cache_blocks']:,} "
+                f"| {'—' if buffers is None else f'{buffers / 1e9:.2f}'} | {info.get('sites', '—')} "
+                f"| {info['compilation_mode']}, {info['cudagraph_mode']}, async={info['async_scheduling']} |"
+            )
+    if data.get("errors"):
+        lines += ["", f"Errors: {data['errors']}"]
+    return lines
+
+
+def e2e(data: dict[str, Any]) -> list[str]:
+    lines = [
+        f"End to end, {data['model']}: {data['samples']} samples, up to {data['max_tokens']} tokens",
+        "",
+        "| variant | wall s | server start s | generation s | output tokens | accuracy | wall / vllm "
+        "| generation / vllm |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in data["results"]:
+        lines.append(
+            f"| {r['variant']} | {r['wall_s']} | {r.get('server_start_s', '—')} | {r.get('generation_s', '—')} "
+            f"| {r.get('output_tokens', '—')} | {r.get('accuracy', '—')} | {r.get('wall_ratio_to_vllm', '—')} "
+            f"| {r.get('generation_ratio_to_vllm', '—')} |"
+        )
+    return lines
+
+
+RENDER = {
+    "hook_cost": hook_cost,
+    "gpu_check": gpu_check,
+    "throughput": throughput,
+    "e2e": e2e,
+}
+
+
+def main() -> int:
+    folder = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    for path in sorted(folder.glob("*.json")):
+        kind = next((k for k in RENDER if path.stem.startswith(k)), None)
+        if kind is None:
+            continue
+        print(f"### {path.name}\n")
+        print("\n".join(RENDER[kind](json.loads(path.read_text()))), end="\n\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
