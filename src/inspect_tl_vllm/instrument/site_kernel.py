@@ -3,9 +3,11 @@
 One program per token row: load the row (adding the residual and rounding to the
 activation dtype, as vLLM's fused add-norm would), apply the stages, write the row out and
 to ``staging``, write the residual's zeros, the norm change, and let program 0 count the
-execution.  A stage whose bank row is 0 loads nothing (its vector is zeros), so an unsteered
-row costs one read and two or three writes of the row.  The arithmetic is ``reference``'s in
-float32, in the same order, so unsteered rows leave bit for bit unchanged.
+execution.  A row whose stages are all the identity skips the stage math and both norms, so
+an unsteered row costs one read and two or three writes of the row and no reductions (the
+norms and dot products, each a reduction across the program's warps, set the kernel's time).
+The arithmetic is ``reference``'s in float32, in the same order, so unsteered rows leave bit
+for bit unchanged.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def _site_hook_kernel(
     residual_stride,
     HAS_RESIDUAL: tl.constexpr,
     STACK: tl.constexpr,
+    TABLE_BLOCK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -42,21 +45,30 @@ def _site_hook_kernel(
         r = tl.load(residual + row * residual_stride + cols, mask=inside, other=0.0).to(tl.float32)
         x = (x + r).to(out.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
         tl.store(residual_out + row * width + cols, tl.zeros([BLOCK], dtype=out.dtype.element_ty), mask=inside)
-    before = tl.sqrt(tl.sum(x * x, axis=0))
-    for stage in tl.static_range(STACK):
-        entry = table + (row * STACK + stage) * 4
-        vector_row = tl.load(entry).to(tl.int64)
-        mult = tl.load(entry + 1)
-        add = tl.load(entry + 2)
-        proj = tl.load(entry + 3)
-        v = tl.load(bank + vector_row * width + cols, mask=inside & (vector_row != 0), other=0.0)
-        dot = tl.sum(x * v, axis=0)
-        x = x * mult + add * v - proj * dot * v
-    y = x.to(out.dtype.element_ty, fp_downcast_rounding="rtne")
+    # A row is steered when any of its stages differs from the identity (0, 1, 0, 0).
+    entries = tl.arange(0, TABLE_BLOCK)
+    stages = tl.load(table + row * STACK * 4 + entries, mask=entries < STACK * 4, other=0.0)
+    identity = tl.where(entries % 4 == 1, 1.0, 0.0)
+    steered = tl.max(((stages != identity) & (entries < STACK * 4)).to(tl.int32), axis=0) > 0
+    if steered:
+        before = tl.sqrt(tl.sum(x * x, axis=0))
+        for stage in tl.static_range(STACK):
+            entry = table + (row * STACK + stage) * 4
+            vector_row = tl.load(entry).to(tl.int64)
+            mult = tl.load(entry + 1)
+            add = tl.load(entry + 2)
+            proj = tl.load(entry + 3)
+            v = tl.load(bank + vector_row * width + cols, mask=inside & (vector_row != 0), other=0.0)
+            dot = tl.sum(x * v, axis=0)
+            x = x * mult + add * v - proj * dot * v
+        y = x.to(out.dtype.element_ty, fp_downcast_rounding="rtne")
+        yf = y.to(tl.float32)
+        tl.store(norm_delta + row, tl.sqrt(tl.sum(yf * yf, axis=0)) - before)
+    else:  # the identity: no reductions, the row passes through (and its norm is unchanged)
+        y = x.to(out.dtype.element_ty, fp_downcast_rounding="rtne")
+        tl.store(norm_delta + row, 0.0)
     tl.store(out + row * width + cols, y, mask=inside)
     tl.store(staging + row * width + cols, y, mask=inside)
-    yf = y.to(tl.float32)
-    tl.store(norm_delta + row, tl.sqrt(tl.sum(yf * yf, axis=0)) - before)
     if row == 0:
         tl.atomic_add(fired, 1)
 
@@ -93,6 +105,7 @@ def launch(
         0 if residual is None else residual.stride(0),
         HAS_RESIDUAL=residual is not None,
         STACK=table.shape[1],
+        TABLE_BLOCK=triton.next_power_of_2(4 * table.shape[1]),
         BLOCK=block,
         num_warps=max(1, min(16, block // 256)),
     )
