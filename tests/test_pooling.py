@@ -1,5 +1,5 @@
-"""Pooled captures (mean, last, max_norm): folded on the device by the step router, finished
-on the host.
+"""Pooled captures (mean, last, max_norm) and steering receipts: accumulated on the device by
+the step router; pooled captures are finished on the host.
 
 The engine tests compare every reduction with a reference through the real CPU engine.
 These drive the real router on CPU buffers through what those runs cannot produce on CPU:
@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope, finish_pooled
+from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope, SteerItem, finish_pooled
 from inspect_tl_vllm.instrument.routing import StepRouter
 from inspect_tl_vllm.instrument.runtime import HookRuntime
 
@@ -72,3 +72,49 @@ def test_prefill_then_decode_two_requests(reduce: str, spurious: bool) -> None:
     np.testing.assert_allclose(got, reference(kept, reduce), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(finish_pooled(b, 2)["h"], reference(rb, reduce), rtol=1e-5, atol=1e-6)
     assert b.captured == 3
+
+
+def steered_state(uid: str, prompt_len: int) -> RequestState:
+    item = SteerItem(
+        index=0, label="add", site=0, stage=0, stage_row=np.array([1.0, 1.0, 2.0, 0.0], dtype=np.float32),
+        scope=Scope.resolve("all", prompt_len),
+    )  # fmt: skip
+    return RequestState(uid=uid, prompt_len=prompt_len, steer=[item], capture=[])
+
+
+@pytest.mark.parametrize("hook_runs", [True, False])
+def test_receipts_sum_on_the_device_and_prove_the_hook_ran(hook_runs: bool) -> None:
+    """Receipts are summed on the device: rows per request, their norm changes (what the hook
+    wrote to ``norm_delta``), and ``fired`` only if the site's counter moved while the
+    request was live.  Request a retires after two steps; b is read while still live."""
+    runtime = HookRuntime(
+        site_indices=[0], hidden_size=WIDTH, max_tokens=16, max_stack=1, max_vectors=1,
+        device=torch.device("cpu"), act_dtype=torch.float32,
+    )  # fmt: skip
+    router = StepRouter(runtime)
+    a, b = steered_state("a", 3), steered_state("b", 2)
+    for state in (a, b):
+        router.admit(state)
+    deltas = {"a": [], "b": []}
+    steps = [([0, 1], [0, 3, 5], [0, 0]), ([0, 1], [0, 1, 2], [3, 2])]  # prefill of both, then one decode row each
+    for batch_index, query_start, computed in steps:
+        router.begin_step(np.array(batch_index), np.array(query_start), np.array(computed))
+        written = torch.randn(query_start[-1])
+        runtime.sites[0].norm_delta[: len(written)] = written
+        deltas["a"] += written[query_start[0] : query_start[1]].tolist()
+        deltas["b"] += written[query_start[1] : query_start[2]].tolist()
+        if hook_runs:
+            runtime.sites[0].fired += 1
+        router.end_step()
+    router.retire(a)
+    router.begin_step(np.array([0]), np.array([0, 1]), np.array([3]))  # b's third row; a's reads launch here
+    runtime.sites[0].norm_delta[0] = 0.5
+    deltas["b"].append(0.5)
+    router.end_step()
+    router.drain()
+    router.snapshot(b)
+    for state, rows in ((a, 4), (b, 4)):
+        item = state.steer[0]
+        assert item.rows == rows
+        assert item.norm_delta_sum == pytest.approx(sum(deltas[state.uid]), rel=1e-6)
+        assert item.fired is hook_runs

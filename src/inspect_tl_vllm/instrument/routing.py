@@ -12,10 +12,11 @@ is admitted or retired), their counters live in the router's arrays under intege
 and a decode step (one row per request) is a few numpy operations over all of them.
 Prefill chunks, listed positions and per-token captures take a per-request path.
 
-After the step, ``end_step`` folds pooled captures into device accumulators (``pooling.py``)
-and *launches* the copies of per-token captures and steering receipts into pinned host
-memory without waiting, so vLLM's asynchronous scheduling keeps the GPU busy; the copies of
-a step are accounted one step later (or when results are fetched).
+After the step, ``end_step`` folds pooled captures into device accumulators (``pooling.py``),
+adds the steered rows' norm changes to device-side receipt sums (``receipts.py``), and
+*launches* the copies of per-token captures into pinned host memory without waiting, so
+vLLM's asynchronous scheduling keeps the GPU busy; copies are accounted once their event has
+completed (checked without blocking), or when results are fetched.
 
 Rows that a request recomputes after preemption are steered again but counted and captured
 only once (a position at or below the highest one already seen is skipped).
@@ -31,9 +32,11 @@ import torch
 
 from inspect_tl_vllm.instrument.plans import SCOPE_CODES, CaptureItem, RequestState, SteerItem, scopes_cover
 from inspect_tl_vllm.instrument.pooling import MODES, SiteAccumulators, device_index
+from inspect_tl_vllm.instrument.receipts import ReceiptAccumulators
 from inspect_tl_vllm.instrument.runtime import IDENTITY_STAGE, HookRuntime
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+MAX_IN_FLIGHT = 8  # launched copies not yet accounted; beyond this the host waits for the oldest
 
 
 @dataclass
@@ -111,13 +114,21 @@ class _StepWork:
 class _InFlight:
     """Device-to-host copies launched after a step, or when requests retire."""
 
-    steer: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
-    deltas: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = field(default_factory=dict)  # site -> lo, delta, fired
     per_token: list[tuple[RequestState, CaptureItem, np.ndarray, np.ndarray]] = field(default_factory=list)
     captured: dict[int, tuple[np.ndarray, torch.Tensor]] = field(default_factory=dict)  # site -> rows, host rows
     retired: list[RequestState] = field(default_factory=list)
     pooled_reads: dict[int, tuple[np.ndarray, torch.Tensor]] = field(default_factory=dict)  # site -> slots, data
+    receipt_reads: _ReceiptReads | None = None
     event: Any = None
+
+
+@dataclass
+class _ReceiptReads:
+    """Receipt sums of some steering-item slots (sorted), and every site's ``fired`` count."""
+
+    slots: np.ndarray
+    sums: torch.Tensor  # per slot: norm sum, fired at admission
+    fired: torch.Tensor  # per site table index
 
 
 class _Slots:
@@ -171,7 +182,9 @@ class StepRouter:
         self._live: dict[int, RequestState] = {}  # request slot -> state, in admission order
         self._layout: _Layout | None = None
         self._requests = _Slots(seen=(np.int64, -1), captured=(np.int64, 0), pending=(np.int64, -1))
-        self._items = _Slots(rows=(np.int64, 0), norm=(np.float64, 0.0), fired=(bool, True))
+        self._items = _Slots(rows=(np.int64, 0))  # steered rows counted per steering item
+        self._receipts = ReceiptAccumulators(runtime.device)
+        self._admitted: list[SteerItem] = []  # steering items whose fired count is not yet recorded
         self._pools: dict[int, SiteAccumulators] = {}
         self._resets: dict[int, list[int]] = {}  # site -> slots whose accumulators must be zeroed
         self._retiring: list[RequestState] = []
@@ -189,6 +202,9 @@ class StepRouter:
         state.slot = self._requests.take()
         for item in state.steer:
             item.slot = self._items.take()
+            if self.collect:
+                self._receipts.ensure(item.slot + 1)
+                self._admitted.append(item)
         if self.collect and state.pooled:
             for item in state.capture:
                 pool = self._pools.setdefault(
@@ -219,6 +235,7 @@ class StepRouter:
         for j in np.nonzero(self._dirty)[0]:
             table[j, : self._dirty[j]] = self._identity
         self._flush_resets()
+        self._flush_admissions()
         if self._retiring:
             self._in_flight.append(self._launch_retire(self._retiring))
             self._retiring = []
@@ -357,13 +374,29 @@ class StepRouter:
                 self._pools[site].reset(device_index(np.array(slots), self.runtime.device, self.cuda))
         self._resets.clear()
 
+    def _flush_admissions(self) -> None:
+        """Record the newly admitted steering items' site ``fired`` counts, before their first step."""
+        if not self._admitted:
+            return
+        items, self._admitted = self._admitted, []
+        slots = np.array([item.slot for item in items], dtype=np.int64)
+        tables = np.array([self.table_of_site[item.site] for item in items], dtype=np.int64)
+        index = device_index(np.concatenate([slots, tables]), self.runtime.device, self.cuda)
+        self._receipts.admit(index[: len(items)], self._fired_counts().index_select(0, index[len(items) :]))
+
+    def _fired_counts(self) -> torch.Tensor:
+        """Every site's ``fired`` counter, in site-table order, as one device tensor."""
+        return torch.cat([self.runtime.sites[site].fired for site in self.sites])
+
     # -- after the step -------------------------------------------------------------------
     def end_step(self) -> None:
         """Fold and launch what this step's requests need; account earlier steps' copies."""
         work, self._work = self._work, None
-        if work:
-            self._in_flight.append(self._launch(work))
-        while len(self._in_flight) > 1:
+        flight = self._launch(work) if work else None
+        if flight is not None:
+            self._in_flight.append(flight)
+        # Account what has landed without waiting for the device; wait only when too much is in flight.
+        while self._in_flight and (len(self._in_flight) > MAX_IN_FLIGHT or _landed(self._in_flight[0])):
             self._complete(self._in_flight.pop(0))
 
     def drain(self) -> None:
@@ -371,22 +404,22 @@ class StepRouter:
         while self._in_flight:
             self._complete(self._in_flight.pop(0))
 
-    def _launch(self, work: _StepWork) -> _InFlight:
+    def _launch(self, work: _StepWork) -> _InFlight | None:
+        """Account a step on the device; only per-token rows need copies (a flight) to the host."""
         sites = self.runtime.sites
-        flight = _InFlight(per_token=work.per_token)
-        if work.steer:
+        if work.steer:  # receipts: rows counted here, norm changes summed on the device
             slots, site_of, rows = (np.concatenate(parts) for parts in zip(*work.steer, strict=True))
-            flight.steer = (slots, site_of, rows)
+            np.add.at(self._items["rows"], slots, 1)
             for site in np.unique(site_of).tolist():
-                mine = rows[site_of == site]
-                lo, hi = int(mine.min()), int(mine.max()) + 1
-                flight.deltas[site] = (
-                    lo,
-                    self._to_host(sites[site].norm_delta[lo:hi]),
-                    self._to_host(sites[site].fired),
-                )
+                mine = site_of == site
+                n = int(np.count_nonzero(mine))
+                index = device_index(np.concatenate([slots[mine], rows[mine]]), self.runtime.device, self.cuda)
+                self._receipts.add(index[:n], sites[site].norm_delta.index_select(0, index[n:]))
         if work.pooled:
             self._fold_pooled(*(np.concatenate(parts) for parts in zip(*work.pooled, strict=True)))
+        if not work.per_token:
+            return None
+        flight = _InFlight(per_token=work.per_token)
         for site in {item.site for _, item, _, _ in work.per_token}:
             rows = np.unique(np.concatenate([r for _, it, r, _ in work.per_token if it.site == site]))
             lo, hi = int(rows[0]), int(rows[-1]) + 1
@@ -445,6 +478,7 @@ class StepRouter:
                         slots,
                         self._to_host(pool.read(device_index(slots, pool.device, self.cuda))),
                     )
+            flight.receipt_reads = self._read_receipts([item for s in states for item in s.steer], self._to_host)
         flight.event = self._record()
         return flight
 
@@ -465,15 +499,6 @@ class StepRouter:
     def _complete(self, flight: _InFlight) -> None:
         if flight.event is not None:
             flight.event.synchronize()
-        if flight.steer is not None:
-            slots, site_of, rows = flight.steer
-            norm, counted, fired_ok = self._items["norm"], self._items["rows"], self._items["fired"]
-            for site, (lo, deltas, fired) in flight.deltas.items():
-                mine = site_of == site
-                np.add.at(norm, slots[mine], deltas.numpy()[rows[mine] - lo])
-                np.add.at(counted, slots[mine], 1)
-                if int(fired.item()) == 0:
-                    fired_ok[slots[mine]] = False
         host = {site: (rows, data.clone() if self.cuda else data) for site, (rows, data) in flight.captured.items()}
         for state, item, rows, positions in flight.per_token:
             site_rows, data = host[item.site]
@@ -482,7 +507,7 @@ class StepRouter:
             block = data[int(at[0]) : int(at[-1]) + 1] if contiguous else data[torch.from_numpy(at)]
             _keep_rows(state, item, block, positions, self.runtime.hidden_size)
         for state in flight.retired:
-            self._settle(state, flight.pooled_reads)
+            self._settle(state, flight.pooled_reads, flight.receipt_reads)
             self._free(state)
 
     # -- reading results ------------------------------------------------------------------
@@ -496,13 +521,30 @@ class StepRouter:
             for item in state.capture:
                 pool = self._pools[item.site]
                 reads[item.site] = (slots, pool.read(device_index(slots, pool.device, self.cuda)).cpu())
-        self._settle(state, reads)
+        receipts = self._read_receipts(state.steer, torch.Tensor.cpu) if self.collect else None
+        self._settle(state, reads, receipts)
 
-    def _settle(self, state: RequestState, reads: dict[int, tuple[np.ndarray, torch.Tensor]]) -> None:
+    def _read_receipts(self, items: list[SteerItem], to_host: Any) -> _ReceiptReads | None:
+        """The receipt sums of ``items`` and the sites' ``fired`` counts, copied by ``to_host``."""
+        if not items:
+            return None
+        self._flush_admissions()  # an item admitted since the last step still needs its count
+        slots = np.sort(np.array([item.slot for item in items], dtype=np.int64))
+        sums = self._receipts.read(device_index(slots, self.runtime.device, self.cuda))
+        return _ReceiptReads(slots, to_host(sums), to_host(self._fired_counts()))
+
+    def _settle(
+        self,
+        state: RequestState,
+        reads: dict[int, tuple[np.ndarray, torch.Tensor]],
+        receipts: _ReceiptReads | None,
+    ) -> None:
         for item in state.steer:
             item.rows = int(self._items["rows"][item.slot])
-            item.norm_delta_sum = float(self._items["norm"][item.slot])
-            item.fired = bool(self._items["fired"][item.slot])
+            if receipts is not None:
+                norm_sum, fired_then = receipts.sums.numpy()[int(np.searchsorted(receipts.slots, item.slot))]
+                item.norm_delta_sum = float(norm_sum)
+                item.fired = int(receipts.fired.numpy()[self.table_of_site[item.site]]) > int(fired_then)
         state.captured = int(self._requests["captured"][state.slot])
         state.pending_pos = int(self._requests["pending"][state.slot])
         width = self.runtime.hidden_size
@@ -518,6 +560,10 @@ class StepRouter:
         for item in state.steer:
             self._items.free.append(item.slot)
             item.slot = -1
+
+
+def _landed(flight: _InFlight) -> bool:
+    return flight.event is None or flight.event.query()
 
 
 def _keep_rows(state: RequestState, item: CaptureItem, block: torch.Tensor, positions: np.ndarray, width: int) -> None:
