@@ -6,7 +6,10 @@
 2. Every hook fires under CUDA graph replay (fired counters advance each step).
 3. Captures of the compiled engine equal the eager engine's and transformers' on the same
    weights; steered greedy tokens equal eager steered tokens.
-4. N concurrent requests with distinct vectors and captures each equal their run alone.
+4. N concurrent requests with distinct vectors and captures each equal their run alone: the
+   same greedy tokens, and the same captured rows up to the first token where greedy
+   decoding went another way (batched and solo kernels round differently, so a near tie in a
+   heavily steered, degenerate answer may flip; the rows before it must still agree).
 Prints a JSON summary and exits non-zero if a check fails.
 
 The strict run is float32 (relative error 1e-3, tokens equal).  In bfloat16 the compiled
@@ -26,6 +29,7 @@ import time
 
 import torch
 
+ISOLATION_HOOK = "blocks.12.hook_resid_post"
 HOOKS = [
     "blocks.0.hook_resid_pre",
     "blocks.10.hook_resid_post",
@@ -165,7 +169,7 @@ def run_checks(args: argparse.Namespace, summary: dict, failures: list[str], tol
     many = [
         {
             "interventions": [{"hook": f"blocks.{i % 30}.hook_resid_post", "vector": vectors[i], "coef": 1.5}],
-            "capture": {"hooks": ["blocks.12.hook_resid_post"], "reduce": "last"},
+            "capture": {"hooks": [ISOLATION_HOOK], "reduce": "none"},
         }
         for i in range(n)
     ]
@@ -174,19 +178,27 @@ def run_checks(args: argparse.Namespace, summary: dict, failures: list[str], tol
     together = compiled.generate(many_prompts, specs=many, max_tokens=16)
     summary["concurrent_s"] = round(time.time() - t0, 2)
     summary["max_requests_steered_in_one_step"] = compiled.status()["max_requests_steered_in_one_step"]
-    same_tokens, worst_iso = 0, 0.0
+    same_tokens, worst_iso, diverged = 0, 0.0, []
     for i in range(n):
         alone = compiled.generate([many_prompts[i]], specs=[many[i]], max_tokens=16)[0]
         same_tokens += alone.token_ids == together[i].token_ids
-        worst_iso = max(
-            worst_iso,
-            rel(together[i].activations["blocks.12.hook_resid_post"], alone.activations["blocks.12.hook_resid_post"]),
+        # Rows up to the first differing token saw the same inputs, so they must agree even
+        # where greedy decoding later took another token.
+        a_ids, b_ids = alone.token_ids, together[i].token_ids
+        common = next(
+            (k for k in range(min(len(a_ids), len(b_ids))) if a_ids[k] != b_ids[k]), min(len(a_ids), len(b_ids))
         )
+        a_rows, b_rows = alone.activations[ISOLATION_HOOK], together[i].activations[ISOLATION_HOOK]
+        rows = min(len(alone.prompt_token_ids) + common, len(a_rows), len(b_rows))
+        worst_iso = max(worst_iso, rel(b_rows[:rows], a_rows[:rows]))
+        if a_ids != b_ids:
+            diverged.append({"request": i, "first_differing_token": common, "text_alone": alone.text[:60]})
     summary["isolation_identical_tokens"] = f"{same_tokens}/{n}"
-    summary["isolation_last_row_max_rel_err"] = worst_iso
+    summary["isolation_rows_before_divergence_max_rel_err"] = worst_iso
+    summary["isolation_diverged"] = diverged[:10]
     if summary["max_requests_steered_in_one_step"] < min(n, 3):
         failures.append("the concurrent batch never carried several differently steered requests in one step")
-    if worst_iso > 5e-2 or same_tokens < 0.9 * n:
+    if worst_iso > tolerance or same_tokens < 0.9 * n:
         failures.append("concurrent requests differ from their solo runs")
 
 
