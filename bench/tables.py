@@ -55,8 +55,9 @@ def throughput(data: dict[str, Any]) -> list[str]:
         f"Throughput, {data['model']}: {data['prompts']} prompts x {data['new_tokens']} new tokens, "
         f"{data['rounds_done']} rounds",
         "",
-        "| variant | median tok/s | min–max | ratio to vanilla | target | median s | worker host: route / harvest s |",
-        "|---|---|---|---|---|---|---|",
+        "| variant | median tok/s | min–max | ratio to vanilla | target | median s | worker host: route / harvest s "
+        "| prepare / generate / fetch s |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for row in data["table"]:
         variant = row["variant"]
@@ -64,14 +65,18 @@ def throughput(data: dict[str, Any]) -> list[str]:
         host = [r.get("worker_host_s") for r in runs.get(variant, []) if r.get("worker_host_s")]
         host_text = "—"
         if host:
-            route = sorted(h["route"] for h in host)[len(host) // 2]
-            harvest = sorted(h["harvest"] for h in host)[len(host) // 2]
-            host_text = f"{route:.2f} / {harvest:.2f}"
+            host_text = f"{_median(h['route'] for h in host):.2f} / {_median(h['harvest'] for h in host):.2f}"
+        phases = [r["phases_s"] for r in runs.get(variant, []) if r.get("phases_s")]
+        phase_text = "—"
+        if phases:
+            phase_text = " / ".join(
+                f"{_median(p[k] for p in phases):.2f}" for k in ("prepare_s", "generate_s", "fetch_s")
+            )
         target = TARGETS.get(variant)
         lines.append(
             f"| {variant} | {row['median_tok_s']:,.0f} | {row['min_tok_s']:,.0f}–{row['max_tok_s']:,.0f} "
             f"| {row['ratio_to_vanilla']} | {'—' if target is None else f'≥ {target}'} "
-            f"| {seconds[len(seconds) // 2]:.2f} | {host_text} |"
+            f"| {seconds[len(seconds) // 2]:.2f} | {host_text} | {phase_text} |"
         )
     lines += [
         "",
@@ -90,6 +95,11 @@ def throughput(data: dict[str, Any]) -> list[str]:
     if data.get("errors"):
         lines += ["", f"Errors: {data['errors']}"]
     return lines
+
+
+def _median(values: Any) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
 
 
 def e2e(data: dict[str, Any]) -> list[str]:

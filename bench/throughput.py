@@ -155,9 +155,11 @@ def run_variant(
         specs = variant_specs(variant, vectors, layers)
         outputs = engine.generate(prompts, specs=specs, max_tokens=new_tokens, ignore_eos=True)
         generated = sum(len(o.token_ids) for o in outputs)
+        phases = {key: round(value, 3) for key, value in engine.last_timings.items()}
     elapsed = time.perf_counter() - t0
     result = {"variant": variant, "seconds": elapsed, "generated": generated, "tok_s": generated / elapsed}
     if engine is not None:
+        result["phases_s"] = phases
         after = engine.status()
         result["worker"] = after
         result["worker_steps"] = after["steps"] - before["steps"]
@@ -267,7 +269,7 @@ def write_summary(
 ) -> None:
     summary["rounds_done"] = min((len(runs) for runs in results.values()), default=0)
     summary["table"] = table(results)
-    kept = ("seconds", "tok_s", "worker_steps", "worker_host_s")
+    kept = ("seconds", "tok_s", "worker_steps", "worker_host_s", "phases_s")
     summary["runs"] = {v: [{k: r[k] for k in kept if k in r} for r in rs] for v, rs in results.items()}
     instrumented = [runs[-1] for variant, runs in results.items() if variant != "vanilla" and runs]
     if instrumented:

@@ -104,9 +104,9 @@ class Intervention(BaseModel):
         if isinstance(value, list):
             if not value:
                 raise SpecError("vector: empty list")
-            bad = [i for i, x in enumerate(value) if not math.isfinite(x)]
-            if bad:
-                raise SpecError(f"vector: entry {bad[0]} is {value[bad[0]]}; vectors must be finite (no NaN/inf)")
+            if not all(map(math.isfinite, value)):  # the fast check first: vectors have thousands of entries
+                bad = next(i for i, x in enumerate(value) if not math.isfinite(x))
+                raise SpecError(f"vector: entry {bad} is {value[bad]}; vectors must be finite (no NaN/inf)")
         return value
 
     @model_validator(mode="after")

@@ -9,6 +9,7 @@ out[0].text, out[0].activations["blocks.6.hook_resid_post"], out[0].receipt
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,6 +68,7 @@ class Engine:
         self.core = core
         self.llm = core.engine
         self.tokenizer = self.llm.get_tokenizer()
+        self.last_timings: dict[str, float] = {}  # seconds per phase of the last generate() call
 
     @property
     def hidden_size(self) -> int:
@@ -103,6 +105,7 @@ class Engine:
         if len(per_prompt) != len(prompts):
             raise ValueError(f"specs: {len(per_prompt)} specs for {len(prompts)} prompts")
         front = self.core.instrumentation
+        started = time.perf_counter()
         token_lists = [self.tokenize(p) for p in prompts]
         prepared: list[PreparedRequest | None] = []
         for i, (tokens, raw) in enumerate(zip(token_lists, per_prompt, strict=True)):
@@ -129,7 +132,9 @@ class Engine:
                 )
             )
             inputs.append(prompt)
+        prepared_at = time.perf_counter()
         outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        generated_at = time.perf_counter()
         wanted = [
             [r.uid, max_input_position(len(o.prompt_token_ids), len(o.outputs[0].token_ids))]
             for o, r in zip(outputs, prepared, strict=True)
@@ -150,6 +155,11 @@ class Engine:
                     result.check(f"prompt {i}")
                 gen.receipt, gen.activations, gen.positions = result.receipt, result.activations, result.positions
             results.append(gen)
+        self.last_timings = {
+            "prepare_s": prepared_at - started,  # specs checked, vectors loaded and uploaded
+            "generate_s": generated_at - prepared_at,  # vLLM's generate
+            "fetch_s": time.perf_counter() - generated_at,  # results fetched from the workers and decoded
+        }
         return results
 
     def status(self) -> dict[str, Any]:
