@@ -28,9 +28,9 @@ case "$step" in
     python3 -m inspect_tl_vllm.cli prepare-model smollm2 >>"$log" 2>&1
     if ! timeout 150 python3 bench/hook_cost.py --out "$out/hook_cost_8b.json" >>"$log" 2>&1; then
       touch /tmp/tlvllm-fused-off
+      export TLVLLM_FUSED_HOOK=0
       echo "[gpu_run] hook_cost: fused kernel check FAILED" | tee -a "$log"
     fi
-    [ -f /tmp/tlvllm-fused-off ] && export TLVLLM_FUSED_HOOK=0
     timeout 330 python3 bench/gpu_check.py --requests 256 --out "$out/gpu_check.json" >>"$log" 2>&1
     ;;
   8b)

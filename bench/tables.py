@@ -43,9 +43,9 @@ def hook_cost(data: dict[str, Any]) -> list[str]:
 
 
 def gpu_check(data: dict[str, Any]) -> list[str]:
-    skip = {"steered_text"}
+    skip = {"steered_text", "device"}
     lines = [f"GPU check ({data.get('dtype')}, {data.get('device')})", "", "| check | result |", "|---|---|"]
-    lines += [f"| {key} | {value} |" for key, value in data.items() if key not in skip and key not in ("device",)]
+    lines += [f"| {key} | {value} |" for key, value in data.items() if key not in skip]
     return lines
 
 
