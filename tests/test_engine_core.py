@@ -25,6 +25,8 @@ def test_batch_generation_is_deterministic_with_expected_shapes(tiny_engine):
     assert [g.token_ids for g in first] == [g.token_ids for g in again]
     assert all(len(g.token_ids) == 6 for g in first)
     assert all(g.receipt == {} and g.activations == {} for g in first)
+    phases = tiny_engine.last_timings
+    assert sorted(phases) == ["fetch_s", "generate_s", "prepare_s"] and all(t >= 0 for t in phases.values())
 
 
 def test_finished_requests_leave_the_worker(tiny_engine):
