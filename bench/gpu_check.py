@@ -10,6 +10,8 @@
    same greedy tokens, and the same captured rows up to the first token where greedy
    decoding went another way (batched and solo kernels round differently, so a near tie in a
    heavily steered, degenerate answer may flip; the rows before it must still agree).
+5. Prompt-only captures, written out from pinned host memory while their requests still
+   decode, equal the prompt rows of a capture of every row.
 Prints a JSON summary and exits non-zero if a check fails.
 
 The strict run is float32 (relative error 1e-3, tokens equal).  In bfloat16 the compiled
@@ -121,6 +123,23 @@ def run_checks(args: argparse.Namespace, summary: dict, failures: list[str], tol
     summary["min_fired_increase_over_generation"] = steps
     if steps < 20:
         failures.append(f"some hook ran only {steps} times during 24 decode steps under CUDA graphs")
+
+    # Prompt-only captures are written out from pinned memory while the requests decode.
+    prompt_specs = [{**spec, "capture": {**spec["capture"], "positions": "prompt"}} for spec in specs[:2]] + specs[2:]
+    written_before = compiled.status()["written_early"]
+    early = compiled.generate(prompts, specs=prompt_specs, max_tokens=24)
+    summary["prompt_captures_written_early"] = compiled.status()["written_early"] - written_before
+    worst = 0.0
+    for e, c in zip(early[:2], got_c[:2], strict=True):
+        n = len(c.prompt_token_ids)
+        for hook, value in e.activations.items():
+            if e.positions[hook] != list(range(n)):
+                failures.append(f"early-written prompt capture at {hook} has positions {e.positions[hook][:5]}...")
+            worst = max(worst, rel(value, c.activations[hook][:n]))
+    summary["early_written_vs_full_capture_max_rel_err"] = worst
+    written = summary["prompt_captures_written_early"]
+    if written != 2 or worst > tolerance:
+        failures.append(f"early-written prompt captures: {written} of 2 written early, error {worst}")
 
     t0 = time.time()
     eager = inspect_tl_vllm.boot(

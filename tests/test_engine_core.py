@@ -122,6 +122,26 @@ def test_position_scopes_touch_exactly_the_rows_asked_for(tiny_engine):
         assert len(out.positions["blocks.0.hook_resid_pre"]) == rows, scope
 
 
+def test_prompt_captures_are_written_out_early_and_equal_the_full_capture(tiny_engine):
+    """A capture whose scope ends in the prompt is written out while the request still
+    decodes (``Controller._write_early``); its rows must be those of a capture of every row."""
+    hooks = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_post", "blocks.2.hook_resid_pre"]  # one alias pair
+    before = tiny_engine.status()["written_early"]
+    full = tiny_engine.generate(PROMPTS, max_tokens=6, capture={"hooks": hooks})
+    prompt = tiny_engine.generate(PROMPTS, max_tokens=6, capture={"hooks": hooks, "positions": "prompt"})
+    listed = tiny_engine.generate(PROMPTS, max_tokens=6, capture={"hooks": hooks, "positions": [0, -1]})
+    assert tiny_engine.status()["written_early"] - before == 2 * len(PROMPTS)
+    for whole, early, pair in zip(full, prompt, listed, strict=True):
+        n = len(whole.prompt_token_ids)
+        assert early.token_ids == whole.token_ids
+        for hook in hooks:
+            assert early.positions[hook] == list(range(n)) and early.receipt["captures"][hook] == n
+            assert torch.equal(early.activations[hook], whole.activations[hook][:n]), hook
+            assert pair.positions[hook] == [0, n - 1]
+            assert torch.equal(pair.activations[hook], whole.activations[hook][[0, n - 1]]), hook
+    assert not list(tiny_engine.core.instrumentation.handoff.path.glob("*.safetensors"))  # every file was taken
+
+
 def test_reductions_match_per_token_rows(tiny_engine):
     hook = "blocks.1.hook_resid_mid"
     rows = tiny_engine.generate(PROMPTS[0], max_tokens=4, capture={"hooks": [hook]})[0].activations[hook]
@@ -213,6 +233,15 @@ def test_chunked_prefill_captures_every_row_like_one_pass(tiny_engine, tiny_llam
             for hook, value in w.activations.items():
                 assert g.positions[hook] == w.positions[hook]
                 assert rel_err(g.activations[hook], value) < 1e-5
+        # a prompt capture over several chunks is written out once its last chunk is in
+        prompt_only = {**spec, "capture": {**spec["capture"], "positions": "prompt"}}
+        early = chunked.generate([prompt, PROMPTS[0]], specs=[prompt_only] * 2, max_tokens=5)
+        assert chunked.status()["written_early"] == 2
+        for e, w in zip(early, want, strict=True):
+            n = len(w.prompt_token_ids)
+            for hook, value in w.activations.items():
+                assert e.positions[hook] == list(range(n))
+                assert rel_err(e.activations[hook], value[:n]) < 1e-5
     finally:
         chunked.llm.llm_engine.engine_core.shutdown()
 

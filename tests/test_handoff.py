@@ -53,3 +53,23 @@ def test_a_folder_that_vanished_falls_back_to_bytes() -> None:
     payload = write_tensors(seen, "uid", tensors())
     assert payload["files"] == [] and set(load(payload["tensors"])) == set(tensors())
     assert write_tensors(seen, "uid", {}) == {"tensors": b"", "files": []}
+
+
+def test_the_one_copy_writer_gives_files_safetensors_reads(tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from inspect_tl_vllm.engine.handoff import save_file
+
+    block = torch.randn(7, 5).to(torch.bfloat16)
+    written = {
+        "bf16 rows": block[2:5],
+        "float32": torch.randn(3, 4),
+        "float16, not contiguous": torch.randn(4, 6).half().t(),
+        "no rows": torch.zeros(0, 5, dtype=torch.bfloat16),
+        "same rows again": block[2:5],
+    }
+    save_file(written, tmp_path / "x.safetensors")
+    got = load_file(str(tmp_path / "x.safetensors"))
+    assert set(got) == set(written)
+    for name, tensor in written.items():
+        assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name

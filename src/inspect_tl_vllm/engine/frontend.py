@@ -141,6 +141,7 @@ class Instrumentation:
                 "reduce": spec.capture.reduce,
                 "dtype": spec.capture.dtype,
                 "max_bytes": self.settings.capture_bytes_per_request,
+                "handoff": self.handoff.ticket() if spec.capture.reduce == "none" else None,
             }
         wire = {"uid": uid, "steer": steer, "capture": capture}
         salt = None
@@ -240,6 +241,7 @@ def merge_status(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
         "workers": len(per_worker),
         "steps": max(status["steps"] for status in per_worker),
         "resumed_after_preemption": max(status["resumed_after_preemption"] for status in per_worker),
+        "written_early": sum(status["written_early"] for status in recording),
         "host_seconds": recording[0]["host_seconds"] if len(recording) == 1 else [s["host_seconds"] for s in recording],
     }
 

@@ -8,6 +8,10 @@ tensors as a safetensors file into a folder the front end made (in ``/dev/shm`` 
 has room, else the temp folder), and the answer only names the file; the front end loads it
 and deletes it.
 
+A request whose capture ends inside the prompt is written out as soon as its last prompt
+rows reach the host, on a worker thread, while it still decodes (``worker.py``); the fetch
+then only names the file.
+
 A worker knows it shares the host when it finds the folder's token file with the token the
 front end sent (a worker on another node, as with the Ray executor, does not) and falls back
 to sending the bytes, as it does when the folder is full.
@@ -15,15 +19,20 @@ to sending the bytes, as it does when the folder is full.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 import tempfile
 import uuid
 import weakref
 from pathlib import Path
 from typing import Any
 
+import torch
+
 TOKEN_FILE = "TOKEN"
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
 class HandoffFolder:
@@ -65,28 +74,57 @@ def shared_folder(ticket: list[str] | None) -> Path | None:
         return None
 
 
-def write_tensors(folder: Path | None, uid: str, tensors: dict[str, Any]) -> dict[str, Any]:
+def write_tensors(folder: Path | None, uid: str, tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The payload fields for ``tensors``: a file in ``folder`` when possible, else the bytes."""
-    from safetensors import SafetensorError
-    from safetensors.torch import save, save_file
+    from safetensors.torch import save
 
     if not tensors:
         return {"tensors": b"", "files": []}
-    tensors = _unshared(tensors)
     if folder is not None:
         path = folder / f"{uid}-{uuid.uuid4().hex[:8]}.safetensors"  # pipeline stages each write a part
         try:
-            save_file(tensors, str(path))
+            save_file(tensors, path)
             return {"tensors": b"", "files": [path.name]}
-        except (OSError, SafetensorError):  # the folder is full or gone (safetensors wraps I/O errors)
+        except OSError:  # the folder is full or gone
             path.unlink(missing_ok=True)
-    return {"tensors": save(tensors), "files": []}
+    return {"tensors": save(_unshared(tensors)), "files": []}
 
 
-def _unshared(tensors: dict[str, Any]) -> dict[str, Any]:
+def save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """Write ``tensors`` in the safetensors format, copying each tensor's memory once.
+
+    ``safetensors.torch.save_file`` first copies every tensor into a ``bytes`` object and
+    then writes that; for captures of every layer (gigabytes) the extra copy costs as much
+    as the write.  The file is the same: a little-endian u64 header length, the JSON header
+    (padded with spaces to 8 bytes), then the tensors' bytes back to back.  Views that share
+    memory (two names of one site) are simply written twice.
+    """
+    header: dict[str, Any] = {}
+    buffers = []
+    offset = 0
+    for name, tensor in tensors.items():
+        tensor = tensor.detach().contiguous()
+        size = tensor.numel() * tensor.element_size()
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+        if size:
+            buffers.append(tensor.reshape(-1).view(torch.uint8).numpy())
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    with open(path, "wb") as out:  # a buffered file writes a large buffer whole, without holding the GIL
+        out.write(struct.pack("<Q", len(text)) + text)
+        for buffer in buffers:
+            out.write(buffer)
+
+
+def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Per-token rows are views of the step's host block; two hook names of one site (an
     alias, such as ``blocks.1.hook_resid_pre`` and ``blocks.0.hook_resid_post``) give two
-    views of the same rows, which safetensors refuses to write.  Copy the repeats."""
+    views of the same rows, which ``safetensors.torch.save`` refuses.  Copy the repeats."""
     seen: set[int] = set()
     out = {}
     for name, tensor in tensors.items():

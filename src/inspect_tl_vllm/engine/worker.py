@@ -17,7 +17,9 @@ Its method names must not exist on vLLM's Worker (vLLM asserts that), hence the 
 from __future__ import annotations
 
 import logging
+import os
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +68,9 @@ class Controller:
             act_dtype=runner.model_config.dtype,
         )
         self.handles = install_hooks(inner.layers, inner.norm, self.sites, self.runtime)
-        self.router = StepRouter(self.runtime, collect=_tensor_parallel_rank() == 0)
+        self.router = StepRouter(
+            self.runtime, collect=_tensor_parallel_rank() == 0, on_capture_complete=self._write_early
+        )
         self.runner = runner
         self.bank_rows: dict[str, int] = {}
         self.live: dict[str, RequestState] = {}  # vLLM request id -> state, instrumented requests only
@@ -74,6 +78,9 @@ class Controller:
         self.host_seconds = {"route": 0.0, "harvest": 0.0}  # where this worker's own host time goes
         self.steps = 0
         self.resumed = 0  # instrumented requests resumed after preemption (their rows are recomputed)
+        self.written_early = 0  # requests whose per-token rows were written out before their fetch
+        self._writer: ThreadPoolExecutor | None = None
+        self._folders: dict[tuple[str, ...], Path | None] = {}
         log.info(
             "tl-vllm: %d of %d hook sites on this worker (%s), %.1f MiB of buffers",
             len(self.sites),
@@ -165,23 +172,60 @@ class Controller:
         if state is None:
             return None
         self.router.snapshot(state)
-        dtype = _DTYPES[state.dtype]
+        if state.written is not None:
+            return {"uid": uid, "receipt": state.receipt(), **state.written.result()}
         tensors: dict[str, torch.Tensor] = {}
         positions: dict[str, list[int]] = {}
         if state.pooled:
+            dtype = _DTYPES[state.dtype]
             for hook, row in finish_pooled(state, max_pos).items():
                 tensors[hook] = torch.from_numpy(row).to(dtype).unsqueeze(0)
-        for item in state.capture if state.reduce == "none" else []:
-            kept, rows = item.per_token(max_pos)
-            positions[item.hook] = kept
-            width = self.runtime.hidden_size
-            tensors[item.hook] = torch.zeros(0, width, dtype=dtype) if rows is None else rows.to(dtype)
+        elif state.reduce == "none":
+            tensors, positions = self._per_token(state, max_pos)
         return {
             "uid": uid,
             "receipt": state.receipt(),
             "positions": positions,
             **write_tensors(folder, uid, tensors),
         }
+
+    def _per_token(self, state: RequestState, max_pos: int) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
+        """Each hook's rows up to ``max_pos`` in the requested dtype, and their positions."""
+        dtype, width = _DTYPES[state.dtype], self.runtime.hidden_size
+        tensors, positions = {}, {}
+        for item in state.capture:
+            kept, rows = item.per_token(max_pos)
+            positions[item.hook] = kept
+            tensors[item.hook] = torch.zeros(0, width, dtype=dtype) if rows is None else rows.to(dtype)
+        return tensors, positions
+
+    def _write_early(self, state: RequestState) -> None:
+        """A capture that ends inside the prompt is complete long before the request: write it
+        out now on a worker thread (the step loop goes on), so that the fetch only names the file.
+
+        Large writes release the GIL, so the thread costs the step loop little; the rows'
+        host memory is let go once they are written.
+        """
+        if self._writer is None:
+            self._writer = ThreadPoolExecutor(
+                max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="tlvllm-write"
+            )
+        key = tuple(state.handoff or ())
+        if key not in self._folders:
+            self._folders[key] = shared_folder(state.handoff)
+        folder = self._folders[key]
+        last = state.capture_scope.last_prompt_position if state.capture_scope else None
+        assert last is not None  # the router calls this only for scopes that end in the prompt
+
+        def write() -> dict[str, Any]:
+            tensors, positions = self._per_token(state, last)
+            payload = {"positions": positions, **write_tensors(folder, state.uid, tensors)}
+            for item in state.capture:
+                item.blocks.clear()
+            return payload
+
+        state.written = self._writer.submit(write)
+        self.written_early += 1
 
     def status(self) -> dict[str, Any]:
         """Counters for checks and tests; the batch-mixing maximum restarts at each call."""
@@ -199,6 +243,7 @@ class Controller:
             "collects": self.router.collect,
             "steps": self.steps,
             "resumed_after_preemption": self.resumed,
+            "written_early": self.written_early,
             "host_seconds": {key: round(value, 3) for key, value in self.host_seconds.items()},
         }
 

@@ -9,6 +9,7 @@ The numbers are copied back into these objects (``settle``) when results are rea
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +53,17 @@ class Scope:
             return pos >= self.prompt_len
         return pos in self.listed
 
+    @property
+    def last_prompt_position(self) -> int | None:
+        """The last position the scope covers, when that lies in the prompt: a capture over
+        such a scope is complete once that row is in, long before the request ends.  None
+        when the scope reaches into generated tokens."""
+        if self.kind == "prompt":
+            return self.prompt_len - 1
+        if self.kind == "listed" and self.listed and max(self.listed) < self.prompt_len:
+            return max(self.listed)
+        return None
+
     def mask(self, positions: np.ndarray) -> np.ndarray:
         if self.kind == "all":
             return np.ones(positions.shape, dtype=bool)
@@ -93,6 +105,7 @@ class CaptureItem:
     hook: str
     site: int
     blocks: list[tuple[np.ndarray, torch.Tensor]] = field(default_factory=list)  # reduce none: (positions, rows)
+    rows_kept: int = 0  # per-token rows appended to blocks (blocks are emptied once written out early)
     pooled: tuple[np.ndarray, float, np.ndarray] | None = None  # read from the device: (reduced, best norm, pending)
 
     def per_token(self, max_pos: int) -> tuple[list[int], torch.Tensor | None]:
@@ -126,6 +139,16 @@ class RequestState:
     pending_pos: int = -1  # pooled captures: position of the newest row, kept out of the reduction (see pooling.py)
     bytes_used: int = 0
     error: str | None = None
+    handoff: list[str] | None = None  # the front end's hand-off ticket (per-token captures; see handoff.py)
+    written: Future[dict[str, Any]] | None = None  # per-token rows being written out early (worker.py)
+
+    def capture_closes_with(self, positions: np.ndarray) -> bool:
+        """Whether per-token rows ending at ``positions`` complete this request's capture
+        (its scope ends inside the prompt, and nothing went wrong)."""
+        if self.reduce != "none" or self.error is not None or self.capture_scope is None:
+            return False
+        last = self.capture_scope.last_prompt_position
+        return last is not None and int(positions[-1]) >= last
 
     @property
     def pooled(self) -> bool:
@@ -149,7 +172,7 @@ class RequestState:
 
     def captured_rows(self, item: CaptureItem) -> int:
         if self.reduce == "none":
-            return sum(len(p) for p, _ in item.blocks)
+            return item.rows_kept
         return self.captured
 
 
@@ -220,4 +243,5 @@ def plan_request(
         state.reduce = cap["reduce"]
         state.dtype = cap["dtype"]
         state.max_bytes = int(cap["max_bytes"])
+        state.handoff = cap.get("handoff")
     return state

@@ -24,6 +24,7 @@ only once (a position at or below the highest one already seen is skipped).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -162,12 +163,21 @@ class StepRouter:
     """Fills the sites' routing tables before a step and harvests after it.
 
     ``collect=False`` (tensor-parallel ranks other than 0, which hold the same residual
-    stream) steers but records nothing.
+    stream) steers but records nothing.  ``on_capture_complete`` receives each request
+    whose per-token capture is complete before the request ends (a scope inside the prompt),
+    as soon as its last rows are on the host.
     """
 
-    def __init__(self, runtime: HookRuntime, *, collect: bool = True) -> None:
+    def __init__(
+        self,
+        runtime: HookRuntime,
+        *,
+        collect: bool = True,
+        on_capture_complete: Callable[[RequestState], None] | None = None,
+    ) -> None:
         self.runtime = runtime
         self.collect = collect
+        self.on_capture_complete = on_capture_complete
         self.cuda = runtime.device.type == "cuda"
         self.sites = sorted(runtime.sites)
         self.table_of_site = {site: j for j, site in enumerate(self.sites)}
@@ -499,13 +509,27 @@ class StepRouter:
     def _complete(self, flight: _InFlight) -> None:
         if flight.event is not None:
             flight.event.synchronize()
-        host = {site: (rows, data.clone() if self.cuda else data) for site, (rows, data) in flight.captured.items()}
+        # Rows kept past this call leave pinned memory (a pageable copy), so that the pinned
+        # blocks return to the allocator; unless every request in the flight completes its
+        # capture here and hands its rows straight to ``on_capture_complete``.
+        closing = {
+            id(state): state for state, _, _, positions in flight.per_token if state.capture_closes_with(positions)
+        }
+        keep_pinned = self.on_capture_complete is not None and all(id(s) in closing for s, *_ in flight.per_token)
+        copy = self.cuda and not keep_pinned
+        host = {site: (rows, data.clone() if copy else data) for site, (rows, data) in flight.captured.items()}
         for state, item, rows, positions in flight.per_token:
             site_rows, data = host[item.site]
             at = np.searchsorted(site_rows, rows)
             contiguous = at[-1] - at[0] + 1 == at.size
             block = data[int(at[0]) : int(at[-1]) + 1] if contiguous else data[torch.from_numpy(at)]
             _keep_rows(state, item, block, positions, self.runtime.hidden_size)
+        for state in closing.values() if self.on_capture_complete is not None else ():
+            if state.error is None:
+                self.on_capture_complete(state)
+            elif keep_pinned:  # the byte budget stopped it just now: its rows must not hold pinned memory
+                for item in state.capture:
+                    item.blocks = [(positions, rows.clone()) for positions, rows in item.blocks]
         for state in flight.retired:
             self._settle(state, flight.pooled_reads, flight.receipt_reads)
             self._free(state)
@@ -579,3 +603,4 @@ def _keep_rows(state: RequestState, item: CaptureItem, block: torch.Tensor, posi
         return
     state.bytes_used += cost
     item.blocks.append((positions, block))
+    item.rows_kept += len(positions)
