@@ -2,7 +2,7 @@
 # Every GPU measurement of docs/BENCHMARKS.md, in steps that each fit one device call
 # (at most 10 minutes).  On a machine staged as ../shared/gpu/README.md says:
 #
-#   bash bench/gpu_run.sh check  OUTDIR   # install, prepare SmolLM2, hook cost, gpu_check (~4 min)
+#   bash bench/gpu_run.sh check  OUTDIR   # install, prepare SmolLM2, hook cost, router cost, gpu_check (~4 min)
 #   bash bench/gpu_run.sh 8b     OUTDIR   # throughput, Llama-3-8B shape (~7 min)
 #   bash bench/gpu_run.sh e2e    OUTDIR   # inspect eval: vllm/ vs tl-vllm (~5 min)
 #   bash bench/gpu_run.sh smol   OUTDIR   # throughput, SmolLM2 (~5 min)
@@ -31,6 +31,7 @@ case "$step" in
       export TLVLLM_FUSED_HOOK=0
       echo "[gpu_run] hook_cost: fused kernel check FAILED" | tee -a "$log"
     fi
+    timeout 60 python3 bench/router_cost.py --out "$out/router_cost.json" >>"$log" 2>&1
     timeout 330 python3 bench/gpu_check.py --requests 256 --out "$out/gpu_check.json" >>"$log" 2>&1
     ;;
   8b)

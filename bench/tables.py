@@ -2,7 +2,7 @@
 
     python bench/tables.py OUTDIR
 
-Prints one section per file found: hook cost, GPU correctness, throughput (8B shape and
+Prints one section per file found: hook cost, step-router cost, GPU correctness, throughput (8B shape and
 SmolLM2, with the engines' KV-cache blocks and buffer memory) and end to end.
 """
 
@@ -40,6 +40,17 @@ def hook_cost(data: dict[str, Any]) -> list[str]:
                 f"| {c['staging_equals_out']} |"
             )
     return lines
+
+
+def router_cost(data: dict[str, Any]) -> list[str]:
+    return [
+        f"Step router host time per decode step: {data['requests']} requests, {data['sites']} sites, "
+        f"width {data['width']} ({data['device']})",
+        "",
+        "| nothing requested | each request steered | each request capturing, mean |",
+        "|---|---|---|",
+        f"| {data['plain_ms_per_step']} ms | {data['steer_ms_per_step']} ms | {data['capture_mean_ms_per_step']} ms |",
+    ]
 
 
 def gpu_check(data: dict[str, Any]) -> list[str]:
@@ -121,6 +132,7 @@ def e2e(data: dict[str, Any]) -> list[str]:
 
 RENDER = {
     "hook_cost": hook_cost,
+    "router_cost": router_cost,
     "gpu_check": gpu_check,
     "throughput": throughput,
     "e2e": e2e,

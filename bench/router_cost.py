@@ -1,0 +1,112 @@
+"""Host time of the step router per decode step, without a model.
+
+    python bench/router_cost.py [--requests 256] [--steps 300] [--width 4096] [--sites 34] [--profile] [--out F]
+
+The router's ``begin_step`` / ``end_step`` run on vLLM's critical path: at 256 concurrent
+requests an 8B decode step on an H200 is ~11 ms, most of it vLLM's own host work, so every
+tenth of a millisecond the router adds shows in throughput (the H200 rounds measured 0.10 s
+of routing and 0.08 s of receipts per 258-step run for 256 steered requests).  This drives a
+real ``StepRouter`` through a prefill step and then decode steps for three workloads (every
+request steered at one site, every request capturing one site reduced by mean, and nothing
+requested) and prints the median host time per decode step.  It runs on the GPU when there is
+one (device copies and kernel launches included) and on the CPU otherwise.  Set against the
+worker's ``host_seconds`` in the throughput bench, it tells the router's own cost apart from
+time the worker spends waiting (for the GIL, or for the device) inside vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope, SteerItem
+from inspect_tl_vllm.instrument.routing import StepRouter
+from inspect_tl_vllm.instrument.runtime import HookRuntime
+
+PROMPT_LEN = 40
+
+
+def states(workload: str, count: int, site: int) -> list[RequestState]:
+    out = []
+    for i in range(count):
+        state = RequestState(uid=f"r{i}", prompt_len=PROMPT_LEN, steer=[], capture=[])
+        if workload == "steer":
+            row = np.array([i + 1, 1.0, 1.0, 0.0], dtype=np.float32)
+            state.steer = [SteerItem(0, "add", site, 0, row, Scope.resolve("all", PROMPT_LEN))]
+        elif workload == "capture_mean":
+            state.capture = [CaptureItem(hook="h", site=site)]
+            state.capture_scope = Scope.resolve("all", PROMPT_LEN)
+            state.reduce = "mean"
+        out.append(state)
+    return out
+
+
+def run(workload: str, args: argparse.Namespace, device: torch.device) -> list[float]:
+    runtime = HookRuntime(
+        site_indices=list(range(args.sites)),
+        hidden_size=args.width,
+        max_tokens=max(args.requests * PROMPT_LEN, 8192),
+        max_stack=1,
+        max_vectors=args.requests,
+        device=device,
+        act_dtype=torch.bfloat16,
+    )
+    router = StepRouter(runtime)
+    site = args.sites // 2
+    requests = states(workload, args.requests, site) if workload != "plain" else []
+    for state in requests:
+        router.admit(state)
+    n = len(requests)
+    batch_index = np.arange(n, dtype=np.int64)
+    query_start = np.arange(0, (n + 1) * PROMPT_LEN, PROMPT_LEN, dtype=np.int32)  # prefill: PROMPT_LEN rows each
+    computed = np.zeros(n, dtype=np.int32)
+    router.begin_step(batch_index, query_start, computed)
+    router.end_step()
+    query_start = np.arange(n + 1, dtype=np.int32)  # decode: one row each
+    computed += PROMPT_LEN
+    times = []
+    for _ in range(args.steps):
+        started = time.perf_counter()
+        router.begin_step(batch_index, query_start, computed)
+        router.end_step()
+        times.append(time.perf_counter() - started)
+        computed += 1
+    router.drain()
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--sites", type=int, default=34)
+    parser.add_argument("--profile", action="store_true", help="print the top functions of the steer workload")
+    parser.add_argument("--out", default=None, help="also write the JSON here")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    result = {"device": str(device), "requests": args.requests, "width": args.width, "sites": args.sites}
+    for workload in ("plain", "steer", "capture_mean"):
+        times = run(workload, args, device)[10:]
+        result[f"{workload}_ms_per_step"] = round(1e3 * statistics.median(times), 3)
+    print(json.dumps(result, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.profile:
+        profile = cProfile.Profile()
+        profile.enable()
+        run("steer", args, device)
+        profile.disable()
+        pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+
+
+if __name__ == "__main__":
+    main()
