@@ -173,7 +173,12 @@ class Controller:
             return None
         self.router.snapshot(state)
         if state.written is not None:
-            return {"uid": uid, "receipt": state.receipt(), **state.written.result()}
+            try:
+                written = state.written.result()
+            except Exception as err:  # this request's rows are lost; the others in the fetch are not
+                state.error = f"writing the captured rows failed: {type(err).__name__}: {err}"
+                written = {"positions": {}, "tensors": b"", "files": []}
+            return {"uid": uid, "receipt": state.receipt(), **written}
         tensors: dict[str, torch.Tensor] = {}
         positions: dict[str, list[int]] = {}
         if state.pooled:
