@@ -2,8 +2,8 @@
 
     python bench/tables.py OUTDIR
 
-Prints one section per file found: hook cost, step-router cost, GPU correctness, throughput (8B shape and
-SmolLM2, with the engines' KV-cache blocks and buffer memory) and end to end.
+Prints one section per file found: hook cost, step-router cost, GPU correctness, throughput
+(8B shape and SmolLM2, with the engines' KV-cache blocks and buffer memory) and end to end.
 """
 
 from __future__ import annotations

@@ -512,10 +512,10 @@ class StepRouter:
         # Rows kept past this call leave pinned memory (a pageable copy), so that the pinned
         # blocks return to the allocator; unless every request in the flight completes its
         # capture here and hands its rows straight to ``on_capture_complete``.
-        closing = {
-            id(state): state for state, _, _, positions in flight.per_token if state.capture_closes_with(positions)
-        }
-        keep_pinned = self.on_capture_complete is not None and all(id(s) in closing for s, *_ in flight.per_token)
+        # A request's entries (one per hook) share its rows, so ask once per request.
+        landing = {id(state): (state, positions) for state, _, _, positions in flight.per_token}
+        closing = [state for state, positions in landing.values() if state.capture_closes_with(positions)]
+        keep_pinned = self.on_capture_complete is not None and len(closing) == len(landing)
         copy = self.cuda and not keep_pinned
         host = {site: (rows, data.clone() if copy else data) for site, (rows, data) in flight.captured.items()}
         for state, item, rows, positions in flight.per_token:
@@ -524,7 +524,7 @@ class StepRouter:
             contiguous = at[-1] - at[0] + 1 == at.size
             block = data[int(at[0]) : int(at[-1]) + 1] if contiguous else data[torch.from_numpy(at)]
             _keep_rows(state, item, block, positions, self.runtime.hidden_size)
-        for state in closing.values() if self.on_capture_complete is not None else ():
+        for state in closing if self.on_capture_complete is not None else ():
             if state.error is None:
                 self.on_capture_complete(state)
             elif keep_pinned:  # the byte budget stopped it just now: its rows must not hold pinned memory
