@@ -64,11 +64,11 @@ def throughput(data: dict[str, Any]) -> list[str]:
     runs = data.get("runs", {})
     lines = [
         f"Throughput, {data['model']}: {data['prompts']} prompts x {data['new_tokens']} new tokens, "
-        f"{data['rounds_done']} rounds",
+        f"{data['rounds_done']} rounds, detokenize={data.get('detokenize', True)}",
         "",
         "| variant | median tok/s | min–max | ratio to vanilla | target | median s | worker host: route / harvest s "
-        "| prepare / generate / fetch s |",
-        "|---|---|---|---|---|---|---|---|",
+        "| prepare / generate / fetch s | distinct ids / unknown to tokenizer |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for row in data["table"]:
         variant = row["variant"]
@@ -83,11 +83,15 @@ def throughput(data: dict[str, Any]) -> list[str]:
             phase_text = " / ".join(
                 f"{_median(p[k] for p in phases):.2f}" for k in ("prepare_s", "generate_s", "fetch_s")
             )
+        tokens = [r for r in runs.get(variant, []) if "unknown_token_share" in r]
+        token_text = "—"
+        if tokens:
+            token_text = f"{tokens[-1]['distinct_tokens']} / {_median(r['unknown_token_share'] for r in tokens):.0%}"
         target = TARGETS.get(variant)
         lines.append(
             f"| {variant} | {row['median_tok_s']:,.0f} | {row['min_tok_s']:,.0f}–{row['max_tok_s']:,.0f} "
             f"| {row['ratio_to_vanilla']} | {'—' if target is None else f'≥ {target}'} "
-            f"| {seconds[len(seconds) // 2]:.2f} | {host_text} | {phase_text} |"
+            f"| {seconds[len(seconds) // 2]:.2f} | {host_text} | {phase_text} | {token_text} |"
         )
     lines += [
         "",

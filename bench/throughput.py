@@ -18,18 +18,29 @@ Runs are interleaved (each round runs every variant once, in a rotated order) af
 warm-up round; the table reports the median generated tokens/s, the spread, and each median
 as a ratio to (1).  Engine modes (compile, CUDA graphs, async scheduling), compile-cache
 state, boot times, KV-cache size and the instrumentation's buffer memory and host time are
-recorded with the numbers.
+recorded with the numbers, and so is what was generated: a random-weight model's tokens are
+arbitrary, and ids past the tokenizer's vocabulary (the 8B shape has 128,256 ids, SmolLM2's
+tokenizer 49,152) take the detokenizer about 20x longer than known ones, so each run records
+the share of such ids.  ``--no-detokenize`` leaves detokenizing out for every variant.
+
+``--py-spy BIN`` samples the instrumented engine's core process with py-spy (every thread,
+idle ones too, with native frames) during one extra run of each steering or capturing
+variant after the measured rounds, and writes the raw stacks next to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing as mp
 import os
+import signal
 import statistics
+import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -128,36 +139,83 @@ def serve(kind: str, path: str, engine_args: dict[str, Any], prompts: list[list[
     layers = llm.llm_engine.vllm_config.model_config.hf_text_config.num_hidden_layers
     generator = torch.Generator().manual_seed(0)
     vectors = [(torch.randn(width, generator=generator) * 2).tolist() for _ in prompts]
+    vocab = len(llm.get_tokenizer())
     while True:
         message = conn.recv()
         if message is None:
             break
-        variant, new_tokens = message
+        variant, new_tokens, options = message
         try:
-            conn.send(run_variant(engine, llm, variant, new_tokens, prompts, vectors, layers))
+            with sampled_by_py_spy(options.get("py_spy"), options.get("profile_to")):
+                result = run_variant(engine, llm, variant, new_tokens, prompts, vectors, layers, options)
+            conn.send({**result, **token_stats(result.pop("token_ids"), vocab)})
         except Exception as err:  # report and keep serving: one failing variant must not lose the others
             conn.send({"variant": variant, "error": f"{type(err).__name__}: {err}"[:2000]})
 
 
+@contextlib.contextmanager
+def sampled_by_py_spy(binary: str | None, output: str | None) -> Iterator[None]:
+    """Record the engine core process's stacks with py-spy while the block runs (if asked)."""
+    if not binary or not output:
+        yield
+        return
+    import psutil
+
+    children = psutil.Process().children(recursive=True)
+    core = next((c for c in children if "EngineCore" in c.name() + " ".join(c.cmdline())), None)
+    if core is None:
+        print("[bench] py-spy: no EngineCore process found; not profiling", flush=True)
+        yield
+        return
+    command = [binary, "record", "--pid", str(core.pid), "--threads", "--idle", "--native", "--rate", "100"]
+    spy = subprocess.Popen([*command, "--format", "raw", "--output", output], stdout=subprocess.DEVNULL)
+    time.sleep(1.0)  # let it attach
+    try:
+        yield
+    finally:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        try:
+            spy.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+        print(f"[bench] py-spy exited {spy.returncode}; stacks in {output}", flush=True)
+
+
+def token_stats(token_ids: list[list[int]], vocab: int) -> dict[str, Any]:
+    """What was generated: distinct ids, and the share of ids the tokenizer does not know."""
+    flat = [t for ids in token_ids for t in ids]
+    unknown = sum(1 for t in flat if t >= vocab)
+    return {"distinct_tokens": len(set(flat)), "unknown_token_share": round(unknown / max(len(flat), 1), 4)}
+
+
 def run_variant(
-    engine: Any, llm: Any, variant: str, new_tokens: int, prompts: list[list[int]], vectors: list, layers: int
+    engine: Any,
+    llm: Any,
+    variant: str,
+    new_tokens: int,
+    prompts: list[list[int]],
+    vectors: list,
+    layers: int,
+    options: dict[str, Any],
 ) -> dict[str, Any]:
     """Time one pass over all prompts."""
     from vllm import SamplingParams
 
-    params = dict(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    params = dict(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=options["detokenize"])
     before = engine.status() if engine is not None else None
     t0 = time.perf_counter()
     if engine is None:
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**params), use_tqdm=False)
-        generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+        token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     else:
         specs = variant_specs(variant, vectors, layers)
-        outputs = engine.generate(prompts, specs=specs, max_tokens=new_tokens, ignore_eos=True)
-        generated = sum(len(o.token_ids) for o in outputs)
+        outputs = engine.generate(prompts, specs=specs, **params)
+        token_ids = [o.token_ids for o in outputs]
         phases = {key: round(value, 3) for key, value in engine.last_timings.items()}
     elapsed = time.perf_counter() - t0
+    generated = sum(len(ids) for ids in token_ids)
     result = {"variant": variant, "seconds": elapsed, "generated": generated, "tok_s": generated / elapsed}
+    result["token_ids"] = token_ids
     if engine is not None:
         result["phases_s"] = phases
         after = engine.status()
@@ -191,6 +249,8 @@ def main() -> int:
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--scratch", default="/tmp/tlvllm-bench")
     parser.add_argument("--cpu", action="store_true", help="tiny smoke run on vLLM's CPU build")
+    parser.add_argument("--no-detokenize", action="store_true", help="detokenize=False for every variant")
+    parser.add_argument("--py-spy", default=None, metavar="BIN", help="profile one extra run per instrumented variant")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -205,6 +265,7 @@ def main() -> int:
     context = mp.get_context("spawn")
     engines: dict[str, Any] = {}
     summary: dict[str, Any] = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens}
+    summary["detokenize"] = not args.no_detokenize
     summary["engine_args"] = engine_args
     for kind in ("vanilla", "instrumented"):
         if kind == "vanilla" and "vanilla" not in variants:
@@ -227,9 +288,10 @@ def main() -> int:
         summary[f"{kind}_engine"] = info
         engines[kind] = (process, parent)
 
-    def run(variant: str, new_tokens: int) -> dict[str, Any]:
+    def run(variant: str, new_tokens: int, profile_to: str | None = None) -> dict[str, Any]:
         _, conn = engines["vanilla" if variant == "vanilla" else "instrumented"]
-        conn.send((variant, new_tokens))
+        options = {"detokenize": not args.no_detokenize, "py_spy": args.py_spy, "profile_to": profile_to}
+        conn.send((variant, new_tokens, options))
         return conn.recv()
 
     errors = summary.setdefault("errors", {})
@@ -251,6 +313,11 @@ def main() -> int:
             results[variant].append(result)
             print(f"[bench] round {round_index + 1} {variant}: {result['tok_s']:.0f} tok/s", flush=True)
         write_summary(summary, results, args.out, final=round_index == args.runs - 1)  # partial results survive a kill
+    if args.py_spy:
+        folder = Path(args.out).parent if args.out else Path(".")
+        for variant in [v for v in variants if v not in ("vanilla", "plain")]:
+            result = run(variant, args.new_tokens, str(folder / f"py_spy_{args.model}_{variant}.txt"))
+            print(f"[bench] {variant} under py-spy: {result.get('tok_s', 0):.0f} tok/s", flush=True)
     stop(engines)
     return 0
 
@@ -269,7 +336,7 @@ def write_summary(
 ) -> None:
     summary["rounds_done"] = min((len(runs) for runs in results.values()), default=0)
     summary["table"] = table(results)
-    kept = ("seconds", "tok_s", "worker_steps", "worker_host_s", "phases_s")
+    kept = ("seconds", "tok_s", "worker_steps", "worker_host_s", "phases_s", "distinct_tokens", "unknown_token_share")
     summary["runs"] = {v: [{k: r[k] for k in kept if k in r} for r in rs] for v, rs in results.items()}
     instrumented = [runs[-1] for variant, runs in results.items() if variant != "vanilla" and runs]
     if instrumented:

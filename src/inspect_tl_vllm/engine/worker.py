@@ -181,10 +181,11 @@ class Controller:
             return {"uid": uid, "receipt": state.receipt(), **written}
         tensors: dict[str, torch.Tensor] = {}
         positions: dict[str, list[int]] = {}
-        if state.pooled:
+        if state.pooled:  # one row per hook point: sent with the answer, a file each would cost more
             dtype = _DTYPES[state.dtype]
             for hook, row in finish_pooled(state, max_pos).items():
                 tensors[hook] = torch.from_numpy(row).to(dtype).unsqueeze(0)
+            folder = None
         elif state.reduce == "none":
             tensors, positions = self._per_token(state, max_pos)
         return {
