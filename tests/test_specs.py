@@ -27,6 +27,7 @@ def test_unknown_hook_point_suggests_the_nearest():
         ({"interventions": [{"hook": "blocks.1.hook_resid_post", "op": "add"}]}, "needs a vector"),
         ({"interventions": [{"hook": "blocks.1.hook_resid_post", "op": "scale", "vector": [1.0]}]}, "takes no vector"),
         ({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [1.0, math.nan]}]}, "NaN"),
+        ({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [2.0, 1.0, -math.inf]}]}, "entry 2"),
         ({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [1.0], "coef": math.inf}]}, "coef"),
         ({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [1.0], "positions": []}]}, "positions"),
         ({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [1.0], "positions": [2, 2]}]}, "duplicate"),
@@ -40,6 +41,11 @@ def test_bad_specs_name_the_sample_and_field(raw, fragment):
     with pytest.raises(SpecError, match="sample 7") as info:
         parse_request_spec(raw, "sample 7")
     assert fragment in str(info.value)
+
+
+def test_a_vector_whose_sum_overflows_is_still_finite():
+    spec = parse_request_spec({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [1e308] * 2}]}, "x")
+    assert spec.interventions[0].vector == [1e308, 1e308]
 
 
 def test_hook_table_aliases_resid_pre_onto_previous_resid_post():
@@ -93,3 +99,21 @@ def test_vector_files_are_checked_and_never_unpickled(tmp_path):
         load_vector(str(tmp_path / "broken.safetensors"), 4)
     with pytest.raises(SpecError, match="not found"):
         load_vector(str(tmp_path / "missing.npy"), 4)
+
+
+def test_vectors_beyond_the_bank_are_refused_before_upload():
+    from types import SimpleNamespace
+
+    from inspect_tl_vllm.engine.frontend import Instrumentation
+
+    config = SimpleNamespace(architectures=["LlamaForCausalLM"], num_hidden_layers=2, hidden_size=4)
+    front = Instrumentation(config, InstrumentConfig(max_vectors=2))
+
+    def steered(*vectors):
+        spec = {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": v} for v in vectors]}
+        return front.prepare(parse_request_spec(spec, "x"), prompt_len=3, max_tokens=2)
+
+    assert front.pending_upload([steered([1.0, 0, 0, 0]), steered([0, 1.0, 0, 0])]) is not None
+    assert front.pending_upload([steered([1.0, 0, 0, 0])]) is None  # already there: nothing to send
+    with pytest.raises(SpecError, match="max_vectors=2"):
+        front.pending_upload([steered([0, 0, 1.0, 0])])

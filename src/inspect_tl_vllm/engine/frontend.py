@@ -159,6 +159,12 @@ class Instrumentation:
                 fresh.update({k: v for k, v in request.vectors.items() if k not in self.uploaded})
         if not fresh:
             return None
+        if len(self.uploaded) + len(fresh) > self.settings.max_vectors:
+            raise SpecError(
+                f"steering vectors: {len(fresh)} new vectors do not fit the engine's bank "
+                f"({len(self.uploaded)} of max_vectors={self.settings.max_vectors} rows taken); "
+                "boot with a larger InstrumentConfig.max_vectors, or reuse vectors across samples"
+            )
         self.uploaded.update(fresh)
         return save(fresh)
 

@@ -144,17 +144,18 @@ class Controller:
     def put_vectors(self, blob: bytes) -> int:
         from safetensors.torch import load
 
-        vectors = load(blob)
-        for key, vector in vectors.items():
-            if key in self.bank_rows:
-                continue
-            row = len(self.bank_rows) + 1
-            if row > self.runtime.max_vectors:
-                raise RuntimeError(
-                    f"vector bank full ({self.runtime.max_vectors} vectors); raise max_vectors in InstrumentConfig"
-                )
-            self.runtime.bank[row].copy_(vector.to(torch.float32))
-            self.bank_rows[key] = row
+        fresh = {key: vector for key, vector in load(blob).items() if key not in self.bank_rows}
+        if not fresh:
+            return len(self.bank_rows)
+        first = len(self.bank_rows) + 1  # row 0 is the zero vector
+        if first + len(fresh) - 1 > self.runtime.max_vectors:
+            raise RuntimeError(
+                f"vector bank full: {len(self.bank_rows)} of {self.runtime.max_vectors} rows taken, "
+                f"{len(fresh)} more asked for; raise max_vectors in InstrumentConfig"
+            )
+        stacked = torch.stack([vector.to(torch.float32) for vector in fresh.values()])
+        self.runtime.bank[first : first + len(fresh)].copy_(stacked)  # one copy, not one per vector
+        self.bank_rows.update({key: first + i for i, key in enumerate(fresh)})
         return len(self.bank_rows)
 
     def fetch(self, wanted: list[list[Any]], ticket: list[str] | None = None) -> list[dict[str, Any] | None] | None:
