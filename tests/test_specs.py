@@ -43,9 +43,18 @@ def test_bad_specs_name_the_sample_and_field(raw, fragment):
     assert fragment in str(info.value)
 
 
-def test_a_vector_whose_sum_overflows_is_still_finite():
+def test_a_vector_whose_sum_overflows_is_still_finite_but_not_in_float32():
     spec = parse_request_spec({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [1e308] * 2}]}, "x")
     assert spec.interventions[0].vector == [1e308, 1e308]
+    with pytest.raises(SpecError, match="beyond float32's range"):
+        load_vector(spec.interventions[0].vector, 2)
+
+
+def test_inline_vectors_become_exact_float32_tensors():
+    values = [0.1, -2.5, 3, 1e-30]
+    assert torch.equal(load_vector(values, 4), torch.tensor(values, dtype=torch.float32))
+    with pytest.raises(SpecError, match="entries must be numbers"):
+        load_vector([1.0, "x"], 2)
 
 
 def test_hook_table_aliases_resid_pre_onto_previous_resid_post():
