@@ -5,8 +5,8 @@ front end) as serialised bytes.  That path manages about 50-200 MB/s, so per-tok
 of every layer (gigabytes for a few hundred prompts) would spend longer in transit than in
 the model.  When the worker runs on the front end's host, it instead writes each request's
 per-token tensors as a safetensors file into a folder the front end made (in ``/dev/shm`` where it
-has room, else the temp folder), and the answer only names the file; the front end maps it
-into memory (no copy: the tensors it returns are views of the mapping) and deletes it.
+has room, else the temp folder), and the answer only names the file; the front end loads it
+(safetensors maps the file, so that costs no copy) and deletes it.
 Pooled captures (one row per hook point) always travel as bytes: a file per request would
 cost more than the few kilobytes it saves the queue.
 
@@ -22,7 +22,6 @@ to sending the bytes, as it does when the folder is full.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import shutil
 import struct
@@ -36,7 +35,6 @@ import torch
 
 TOKEN_FILE = "TOKEN"
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-_TORCH_DTYPES = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
 
 
 class HandoffFolder:
@@ -54,10 +52,12 @@ class HandoffFolder:
         return [str(self.path), self.token]
 
     def take(self, name: str) -> dict[str, Any]:
-        """The tensors of one file a worker wrote, mapped rather than read; the file is deleted."""
+        """Load and delete one file a worker wrote (safetensors maps it: no copy is made)."""
+        from safetensors.torch import load_file
+
         path = self.path / Path(name).name
         try:
-            return load_mapped(path)
+            return load_file(str(path))
         finally:
             path.unlink(missing_ok=True)
 
@@ -121,39 +121,6 @@ def save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
         out.write(struct.pack("<Q", len(text)) + text)
         for buffer in buffers:
             out.write(buffer)
-
-
-def load_mapped(path: Path) -> dict[str, torch.Tensor]:
-    """The tensors of a file ``save_file`` wrote, as views of a private memory map of it.
-
-    Reading captures of every layer (gigabytes) into fresh memory cost the front end as much
-    as writing them cost the worker; a map costs nothing until a page is touched, and on
-    ``/dev/shm`` the pages are the ones the worker wrote.  The map is copy-on-write, so the
-    tensors can be changed without touching the file, and it lives as long as any of them
-    (deleting the file does not end it).
-    """
-    with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        header_len = struct.unpack("<Q", file.read(8))[0] if size >= 8 else size
-        if not 8 + header_len <= size:
-            raise ValueError(f"{path.name}: not a safetensors file (header of {header_len} bytes in {size})")
-        header = json.loads(file.read(header_len))
-        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
-    start = 8 + header_len
-    tensors = {}
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        dtype, shape = _TORCH_DTYPES[entry["dtype"]], entry["shape"]
-        begin, end = entry["data_offsets"]
-        if not 0 <= begin <= end <= size - start:
-            raise ValueError(f"{path.name}: tensor {name!r} lies outside the file")
-        count = (end - begin) // dtype.itemsize
-        if count == 0:
-            tensors[name] = torch.zeros(shape, dtype=dtype)
-        else:
-            tensors[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start + begin).view(shape)
-    return tensors
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
