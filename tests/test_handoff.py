@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import shutil
 
+import pytest
 import torch
 from safetensors.torch import load
 
@@ -76,7 +77,7 @@ def test_the_one_copy_writer_gives_files_safetensors_reads(tmp_path) -> None:
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
 
 
-def test_taken_tensors_outlive_the_deleted_file() -> None:
+def test_taken_tensors_are_copy_on_write_views_that_outlive_the_deleted_file() -> None:
     folder = HandoffFolder()
     try:
         written = {"bf16": torch.randn(5, 3).to(torch.bfloat16), "f32": torch.randn(2, 7), "none": torch.zeros(0, 3)}
@@ -86,7 +87,20 @@ def test_taken_tensors_outlive_the_deleted_file() -> None:
         gc.collect()
         for name, tensor in written.items():
             assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
-        got["f32"] += 1  # writable, and private to the front end
+        got["f32"] += 1  # a copy-on-write map: writable, private to the front end
         assert torch.equal(got["f32"], written["f32"] + 1)
     finally:
         folder.close()
+
+
+def test_a_truncated_file_is_refused_with_its_name(tmp_path) -> None:
+    from inspect_tl_vllm.engine.handoff import load_mapped, save_file
+
+    save_file({"rows": torch.randn(4, 4)}, tmp_path / "x.safetensors")
+    data = (tmp_path / "x.safetensors").read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-8])
+    with pytest.raises(ValueError, match="cut.safetensors: tensor 'rows' lies outside the file"):
+        load_mapped(tmp_path / "cut.safetensors")
+    (tmp_path / "tiny.safetensors").write_bytes(data[:4])
+    with pytest.raises(ValueError, match="tiny.safetensors: not a safetensors file"):
+        load_mapped(tmp_path / "tiny.safetensors")

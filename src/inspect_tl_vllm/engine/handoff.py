@@ -4,11 +4,11 @@ The answer to ``collective_rpc`` crosses vLLM's message queues (worker -> engine
 front end) as serialised bytes.  That path manages about 50-200 MB/s, so per-token captures
 of every layer (gigabytes for a few hundred prompts) would spend longer in transit than in
 the model.  When the worker runs on the front end's host, it instead writes each request's
-per-token tensors as a safetensors file into a folder the front end made (in ``/dev/shm`` where it
-has room, else the temp folder), and the answer only names the file; the front end loads it
-(safetensors maps the file, so that costs no copy) and deletes it.
-Pooled captures (one row per hook point) always travel as bytes: a file per request would
-cost more than the few kilobytes it saves the queue.
+per-token tensors as a safetensors file into a folder the front end made (in ``/dev/shm``
+where it has room, else the temp folder), and the answer only names the file; the front end
+maps it into memory (no copy: the tensors it returns are views of the mapping) and deletes
+it.  Pooled captures (one row per hook point) always travel as bytes: a file per request
+would cost more than the few kilobytes it saves the queue.
 
 A request whose capture ends inside the prompt is written out as soon as its last prompt
 rows reach the host, on a worker thread, while it still decodes (``worker.py``); the fetch
@@ -22,6 +22,7 @@ to sending the bytes, as it does when the folder is full.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import shutil
 import struct
@@ -35,6 +36,7 @@ import torch
 
 TOKEN_FILE = "TOKEN"
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+_TORCH_DTYPES = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
 
 
 class HandoffFolder:
@@ -52,12 +54,10 @@ class HandoffFolder:
         return [str(self.path), self.token]
 
     def take(self, name: str) -> dict[str, Any]:
-        """Load and delete one file a worker wrote (safetensors maps it: no copy is made)."""
-        from safetensors.torch import load_file
-
+        """The tensors of one file a worker wrote, mapped rather than read; the file is deleted."""
         path = self.path / Path(name).name
         try:
-            return load_file(str(path))
+            return load_mapped(path)
         finally:
             path.unlink(missing_ok=True)
 
@@ -121,6 +121,39 @@ def save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
         out.write(struct.pack("<Q", len(text)) + text)
         for buffer in buffers:
             out.write(buffer)
+
+
+def load_mapped(path: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a file ``save_file`` wrote, as views of a private memory map of it.
+
+    ``safetensors.torch.load_file`` maps the file too, but spends about 15 µs on each tensor
+    it makes: 0.5 ms for a request's 33 hook points, 0.1 s per 256 requests; views of one map
+    cost a quarter of that (measured on /dev/shm).  The map is copy-on-write, so the tensors
+    can be changed without touching the file, and it lives as long as any of them (deleting
+    the file does not end it).
+    """
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        header_len = struct.unpack("<Q", file.read(8))[0] if size >= 8 else size
+        if not 8 + header_len <= size:
+            raise ValueError(f"{path.name}: not a safetensors file (header of {header_len} bytes in {size})")
+        header = json.loads(file.read(header_len))
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
+    start = 8 + header_len
+    tensors = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        dtype, shape = _TORCH_DTYPES[entry["dtype"]], entry["shape"]
+        begin, end = entry["data_offsets"]
+        if not 0 <= begin <= end <= size - start:
+            raise ValueError(f"{path.name}: tensor {name!r} lies outside the file")
+        count = (end - begin) // dtype.itemsize
+        if count == 0:
+            tensors[name] = torch.zeros(shape, dtype=dtype)
+        else:
+            tensors[name] = torch.frombuffer(mapped, dtype=dtype, count=count, offset=start + begin).view(shape)
+    return tensors
 
 
 def _unshared(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
