@@ -430,15 +430,26 @@ class StepRouter:
         if not work.per_token:
             return None
         flight = _InFlight(per_token=work.per_token)
-        for site in {item.site for _, item, _, _ in work.per_token}:
-            rows = np.unique(np.concatenate([r for _, it, r, _ in work.per_token if it.site == site]))
-            lo, hi = int(rows[0]), int(rows[-1]) + 1
+        # A request's entries (one per hook) share one rows array, and most sites see the same
+        # requests, so the rows of a site are worked out once per distinct set of requests:
+        # the sites that share it share one array, which ``_complete`` relies on.
+        arrays_of_site: dict[int, dict[int, np.ndarray]] = {}
+        for _, item, rows, _ in work.per_token:
+            arrays_of_site.setdefault(item.site, {})[id(rows)] = rows
+        rows_of: dict[tuple[int, ...], np.ndarray] = {}
+        for site, arrays in arrays_of_site.items():
+            key = tuple(arrays)
+            if key not in rows_of:
+                rows = np.unique(np.concatenate(list(arrays.values())))
+                lo, hi = int(rows[0]), int(rows[-1]) + 1
+                rows_of[key] = np.arange(lo, hi) if 2 * rows.size >= hi - lo else rows  # dense: one contiguous copy
+            rows = rows_of[key]
             staging = sites[site].staging
-            if 2 * rows.size >= hi - lo:  # dense: one contiguous copy
-                flight.captured[site] = (np.arange(lo, hi), self._to_host(staging[lo:hi]))
+            if rows.size == int(rows[-1]) - int(rows[0]) + 1:
+                copied = self._to_host(staging[int(rows[0]) : int(rows[-1]) + 1])
             else:
-                index = device_index(rows, self.runtime.device, self.cuda)
-                flight.captured[site] = (rows, self._to_host(staging.index_select(0, index)))
+                copied = self._to_host(staging.index_select(0, device_index(rows, self.runtime.device, self.cuda)))
+            flight.captured[site] = (rows, copied)
         flight.event = self._record()
         return flight
 
@@ -518,12 +529,15 @@ class StepRouter:
         keep_pinned = self.on_capture_complete is not None and len(closing) == len(landing)
         copy = self.cuda and not keep_pinned
         host = {site: (rows, data.clone() if copy else data) for site, (rows, data) in flight.captured.items()}
+        where: dict[tuple[int, int], slice | torch.Tensor] = {}  # (site rows, request rows) -> index into data
         for state, item, rows, positions in flight.per_token:
             site_rows, data = host[item.site]
-            at = np.searchsorted(site_rows, rows)
-            contiguous = at[-1] - at[0] + 1 == at.size
-            block = data[int(at[0]) : int(at[-1]) + 1] if contiguous else data[torch.from_numpy(at)]
-            _keep_rows(state, item, block, positions, self.runtime.hidden_size)
+            key = (id(site_rows), id(rows))
+            if key not in where:
+                at = np.searchsorted(site_rows, rows)
+                contiguous = at[-1] - at[0] + 1 == at.size
+                where[key] = slice(int(at[0]), int(at[-1]) + 1) if contiguous else torch.from_numpy(at)
+            _keep_rows(state, item, data[where[key]], positions, self.runtime.hidden_size)
         for state in closing if self.on_capture_complete is not None else ():
             if state.error is None:
                 self.on_capture_complete(state)
