@@ -149,7 +149,8 @@ def serve(kind: str, path: str, engine_args: dict[str, Any], prompts: list[list[
         try:
             with sampled_by_py_spy(options.get("py_spy"), options.get("profile_to")):
                 result = run_variant(engine, llm, variant, new_tokens, prompts, vectors, layers, options)
-            conn.send({**result, **token_stats(result.pop("token_ids"), vocab)})
+            result.update(token_stats(result.pop("token_ids"), vocab))  # the stats travel, not the ids
+            conn.send(result)
         except Exception as err:  # report and keep serving: one failing variant must not lose the others
             conn.send({"variant": variant, "error": f"{type(err).__name__}: {err}"[:2000]})
 
