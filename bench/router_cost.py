@@ -8,10 +8,11 @@ tenth of a millisecond the router adds shows in throughput (the H200 rounds meas
 of routing and 0.08 s of receipts per 258-step run for 256 steered requests).  This drives a
 real ``StepRouter`` through a prefill step and then decode steps for three workloads (every
 request steered at one site, every request capturing one site reduced by mean, and nothing
-requested) and prints the median host time per decode step.  It runs on the GPU when there is
-one (device copies and kernel launches included) and on the CPU otherwise.  Set against the
-worker's ``host_seconds`` in the throughput bench, it tells the router's own cost apart from
-time the worker spends waiting (for the GIL, or for the device) inside vLLM.
+requested) and prints the median host time per decode step, as wall time and as the thread's
+CPU time.  It runs on the GPU when there is one (device copies and kernel launches included)
+and on the CPU otherwise.  Set against the worker's ``host_seconds`` in the throughput bench
+(which records both too), it tells the router's own cost apart from time the worker spends
+waiting (for the GIL, or for the device) inside vLLM.
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ def states(workload: str, count: int, site: int) -> list[RequestState]:
     return out
 
 
-def run(workload: str, args: argparse.Namespace, device: torch.device) -> list[float]:
+def run(workload: str, args: argparse.Namespace, device: torch.device) -> list[tuple[float, float]]:
+    """Per decode step: (wall seconds, this thread's CPU seconds)."""
     runtime = HookRuntime(
         site_indices=list(range(args.sites)),
         hidden_size=args.width,
@@ -74,10 +76,10 @@ def run(workload: str, args: argparse.Namespace, device: torch.device) -> list[f
     computed += PROMPT_LEN
     times = []
     for _ in range(args.steps):
-        started = time.perf_counter()
+        started, cpu = time.perf_counter(), time.thread_time()
         router.begin_step(batch_index, query_start, computed)
         router.end_step()
-        times.append(time.perf_counter() - started)
+        times.append((time.perf_counter() - started, time.thread_time() - cpu))
         computed += 1
     router.drain()
     return times
@@ -96,7 +98,8 @@ def main() -> None:
     result = {"device": str(device), "requests": args.requests, "width": args.width, "sites": args.sites}
     for workload in ("plain", "steer", "capture_mean"):
         times = run(workload, args, device)[10:]
-        result[f"{workload}_ms_per_step"] = round(1e3 * statistics.median(times), 3)
+        result[f"{workload}_ms_per_step"] = round(1e3 * statistics.median(wall for wall, _ in times), 3)
+        result[f"{workload}_cpu_ms_per_step"] = round(1e3 * statistics.median(cpu for _, cpu in times), 3)
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))

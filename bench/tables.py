@@ -47,9 +47,13 @@ def router_cost(data: dict[str, Any]) -> list[str]:
         f"Step router host time per decode step: {data['requests']} requests, {data['sites']} sites, "
         f"width {data['width']} ({data['device']})",
         "",
-        "| nothing requested | each request steered | each request capturing, mean |",
-        "|---|---|---|",
-        f"| {data['plain_ms_per_step']} ms | {data['steer_ms_per_step']} ms | {data['capture_mean_ms_per_step']} ms |",
+        "| time per step | nothing requested | each request steered | each request capturing, mean |",
+        "|---|---|---|---|",
+        *(
+            f"| {label} | {data[f'plain{key}']} ms | {data[f'steer{key}']} ms | {data[f'capture_mean{key}']} ms |"
+            for label, key in (("wall", "_ms_per_step"), ("thread CPU", "_cpu_ms_per_step"))
+            if f"plain{key}" in data  # runs before CPU time was recorded have only wall time
+        ),
     ]
 
 
@@ -77,6 +81,9 @@ def throughput(data: dict[str, Any]) -> list[str]:
         host_text = "—"
         if host:
             host_text = f"{_median(h['route'] for h in host):.2f} / {_median(h['harvest'] for h in host):.2f}"
+            if all("route_cpu" in h for h in host):  # the thread's CPU time within them (older runs lack it)
+                host_text += f" (CPU {_median(h['route_cpu'] for h in host):.2f} / "
+                host_text += f"{_median(h['harvest_cpu'] for h in host):.2f})"
         phases = [r["phases_s"] for r in runs.get(variant, []) if r.get("phases_s")]
         phase_text = "—"
         if phases:

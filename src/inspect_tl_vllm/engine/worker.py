@@ -75,7 +75,10 @@ class Controller:
         self.bank_rows: dict[str, int] = {}
         self.live: dict[str, RequestState] = {}  # vLLM request id -> state, instrumented requests only
         self.results: dict[str, RequestState] = {}  # uid -> state, until fetched
-        self.host_seconds = {"route": 0.0, "harvest": 0.0}  # where this worker's own host time goes
+        # Where this worker's own host time goes: wall time per phase, and ("..._cpu") the
+        # thread's CPU time within it.  Wall well above CPU time means the thread was waiting
+        # (for the GIL, or in a blocking call) rather than working.
+        self.host_seconds = {"route": 0.0, "harvest": 0.0, "route_cpu": 0.0, "harvest_cpu": 0.0}
         self.steps = 0
         self.resumed = 0  # instrumented requests resumed after preemption (their rows are recomputed)
         self.written_early = 0  # requests whose per-token rows were written out before their fetch
@@ -92,7 +95,7 @@ class Controller:
     # -- per step -------------------------------------------------------------------------
     def before_forward(self, scheduler_output: Any) -> None:
         """Route the step: only instrumented requests are looked at, so plain traffic costs nothing."""
-        started = time.perf_counter()
+        started = (time.perf_counter(), time.thread_time())
         for new in scheduler_output.scheduled_new_reqs:
             self._register(new.req_id)
         self.resumed += len(self.live.keys() & scheduler_output.scheduled_cached_reqs.resumed_req_ids)
@@ -102,7 +105,7 @@ class Controller:
         batch_index = np.fromiter((index_of.get(s.req_id, -1) for s in states), dtype=np.int64, count=len(states))
         self.router.begin_step(batch_index, self.runner.query_start_loc.np, batch.num_computed_tokens_cpu)
         self.steps += 1
-        self.host_seconds["route"] += time.perf_counter() - started
+        self._account("route", started)
 
     def retire_finished(self, scheduler_output: Any) -> None:
         """Let go of requests vLLM has finished.
@@ -117,9 +120,13 @@ class Controller:
                 self.router.retire(state)
 
     def after_forward(self) -> None:
-        started = time.perf_counter()
+        started = (time.perf_counter(), time.thread_time())
         self.router.end_step()
-        self.host_seconds["harvest"] += time.perf_counter() - started
+        self._account("harvest", started)
+
+    def _account(self, phase: str, started: tuple[float, float]) -> None:
+        self.host_seconds[phase] += time.perf_counter() - started[0]
+        self.host_seconds[f"{phase}_cpu"] += time.thread_time() - started[1]
 
     def _register(self, req_id: str) -> None:
         if req_id in self.live:  # a preempted request sent again: keep what it has captured so far
