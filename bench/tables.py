@@ -114,8 +114,25 @@ def throughput(data: dict[str, Any]) -> list[str]:
                 f"| {'—' if buffers is None else f'{buffers / 1e9:.2f}'} | {info.get('sites', '—')} "
                 f"| {info['compilation_mode']}, {info['cudagraph_mode']}, async={info['async_scheduling']} |"
             )
+    lines += _pinned_host(runs)
     if data.get("errors"):
         lines += ["", f"Errors: {data['errors']}"]
+    return lines
+
+
+def _pinned_host(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Per run of each instrumented variant: pinned host blocks made, the time spent making
+    them, and the pinned memory held after it (runs recorded before these counters: nothing)."""
+    rows = [(variant, [r["pinned_host"] for r in rs if "pinned_host" in r]) for variant, rs in runs.items()]
+    rows = [(variant, pinned) for variant, pinned in rows if pinned]
+    if not rows:
+        return []
+    lines = ["", "| variant | pinned blocks made, per run | time making them s | pinned GB held after |"]
+    lines.append("|---|---|---|---|")
+    for variant, pinned in rows:
+        made = ", ".join(str(p["blocks_made"]) for p in pinned)
+        seconds = ", ".join(f"{p['alloc_s']:.3f}" for p in pinned)
+        lines.append(f"| {variant} | {made} | {seconds} | {pinned[-1]['gb_held']} |")
     return lines
 
 

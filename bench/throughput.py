@@ -224,6 +224,12 @@ def run_variant(
         result["worker"] = after
         result["worker_steps"] = after["steps"] - before["steps"]
         result["worker_host_s"] = {k: round(v - before["host_seconds"][k], 3) for k, v in after["host_seconds"].items()}
+        pinned = after["pinned_host"]  # pinned blocks made during this run, and the time it took
+        result["pinned_host"] = {
+            "blocks_made": pinned["blocks_made"] - before["pinned_host"]["blocks_made"],
+            "alloc_s": round(pinned["alloc_seconds"] - before["pinned_host"]["alloc_seconds"], 4),
+            "gb_held": round(pinned["bytes_held"] / 1e9, 2),
+        }
     return result
 
 
@@ -338,7 +344,8 @@ def write_summary(
 ) -> None:
     summary["rounds_done"] = min((len(runs) for runs in results.values()), default=0)
     summary["table"] = table(results)
-    kept = ("seconds", "tok_s", "worker_steps", "worker_host_s", "phases_s", "distinct_tokens", "unknown_token_share")
+    kept = ("seconds", "tok_s", "worker_steps", "worker_host_s", "phases_s", "pinned_host")
+    kept += ("distinct_tokens", "unknown_token_share")
     summary["runs"] = {v: [{k: r[k] for k in kept if k in r} for r in rs] for v, rs in results.items()}
     instrumented = [runs[-1] for variant, runs in results.items() if variant != "vanilla" and runs]
     if instrumented:

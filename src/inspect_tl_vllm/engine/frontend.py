@@ -249,6 +249,7 @@ def merge_status(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
         "resumed_after_preemption": max(status["resumed_after_preemption"] for status in per_worker),
         "written_early": sum(status["written_early"] for status in recording),
         "host_seconds": recording[0]["host_seconds"] if len(recording) == 1 else [s["host_seconds"] for s in recording],
+        "pinned_host": recording[0]["pinned_host"] if len(recording) == 1 else [s["pinned_host"] for s in recording],
     }
 
 

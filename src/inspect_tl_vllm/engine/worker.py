@@ -259,7 +259,23 @@ class Controller:
             "resumed_after_preemption": self.resumed,
             "written_early": self.written_early,
             "host_seconds": {key: round(value, 3) for key, value in self.host_seconds.items()},
+            "pinned_host": _pinned_host_stats(),
         }
+
+
+def _pinned_host_stats() -> dict[str, float]:
+    """Growth of torch's pinned host memory pool in this process so far (zeros without CUDA).
+
+    Per-token captures land in pinned blocks, and prompt captures written out early hold
+    theirs until the writer is done, so a capture-heavy run may need new blocks; making one
+    (``cudaHostAlloc``) is slow.  The benchmarks difference these counters per run.
+    """
+    stats = torch.cuda.host_memory_stats() if torch.cuda.is_available() else {}
+    return {
+        "blocks_made": int(stats.get("num_host_alloc", 0)),
+        "alloc_seconds": round(stats.get("host_alloc_time.total", 0) / 1e6, 4),  # reported in microseconds
+        "bytes_held": int(stats.get("allocated_bytes.current", 0)),
+    }
 
 
 def _holds(inner: Any, site: Site) -> bool:
