@@ -55,7 +55,7 @@ def test_worker_accounts_its_host_time_as_wall_and_cpu_time(tiny_engine):
         wall = after["host_seconds"][phase] - before["host_seconds"][phase]
         cpu = after["host_seconds"][f"{phase}_cpu"] - before["host_seconds"][f"{phase}_cpu"]
         assert wall > 0 and cpu > 0, (phase, wall, cpu)
-        assert cpu <= wall + 2e-3, (phase, wall, cpu)  # status rounds each to 1 ms
+        assert cpu <= wall + 1e-3, (phase, wall, cpu)  # a thread works at most as long as it runs
     # The pinned host pool's counters travel with the status (zeros without CUDA) and never shrink.
     assert set(after["pinned_host"]) == {"blocks_made", "alloc_seconds", "bytes_held"}
     assert after["pinned_host"]["blocks_made"] >= before["pinned_host"]["blocks_made"]

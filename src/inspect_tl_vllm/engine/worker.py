@@ -258,7 +258,7 @@ class Controller:
             "steps": self.steps,
             "resumed_after_preemption": self.resumed,
             "written_early": self.written_early,
-            "host_seconds": {key: round(value, 3) for key, value in self.host_seconds.items()},
+            "host_seconds": {key: round(value, 6) for key, value in self.host_seconds.items()},
             "pinned_host": _pinned_host_stats(),
         }
 
