@@ -128,6 +128,7 @@ class Engine:
                     temperature=temperature,
                     extra_args=extra,
                     skip_reading_prefix_cache=bool(request and request.skip_prefix_cache) or None,
+                    skip_clone=True,  # one fresh object per request: vLLM need not deep-copy it (and its wire spec)
                     **sampling,
                 )
             )

@@ -182,7 +182,8 @@ class TLVLLMAPI(ModelAPI):
         if prepared is not None:
             args["extra_args"] = {TAG: prepared.wire}
             args["skip_reading_prefix_cache"] = prepared.skip_prefix_cache or None
-        return SamplingParams(**args)
+        # A fresh object per request, as vLLM's own OpenAI server makes: it need not be deep-copied.
+        return SamplingParams(**args, skip_clone=True)
 
     async def _run(self, core: Any, prompt_ids: list[int], params: Any, prepared: PreparedRequest | None) -> Any:
         """On the engine loop: upload new vectors, run the request, fetch its captures."""
