@@ -189,18 +189,18 @@ class Controller:
             return {"uid": uid, "receipt": state.receipt(), **written}
         tensors: dict[str, torch.Tensor] = {}
         positions: dict[str, list[int]] = {}
-        if state.pooled:  # one row per hook point: sent with the answer, a file each would cost more
+        if state.pooled:
             dtype = _DTYPES[state.dtype]
             for hook, row in finish_pooled(state, max_pos).items():
                 tensors[hook] = torch.from_numpy(row).to(dtype).unsqueeze(0)
-            folder = None
         elif state.reduce == "none":
             tensors, positions = self._per_token(state, max_pos)
         return {
             "uid": uid,
             "receipt": state.receipt(),
             "positions": positions,
-            **write_tensors(folder, uid, tensors),
+            # Pooled captures (one row per hook point) travel with the answer: a file each would cost more.
+            **write_tensors(None if state.pooled else folder, uid, tensors),
         }
 
     def _per_token(self, state: RequestState, max_pos: int) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:

@@ -436,17 +436,18 @@ class StepRouter:
         arrays_of_site: dict[int, dict[int, np.ndarray]] = {}
         for _, item, rows, _ in work.per_token:
             arrays_of_site.setdefault(item.site, {})[id(rows)] = rows
-        rows_of: dict[tuple[int, ...], np.ndarray] = {}
+        rows_of: dict[tuple[int, ...], tuple[np.ndarray, slice | None]] = {}  # -> (rows, their span if copied whole)
         for site, arrays in arrays_of_site.items():
             key = tuple(arrays)
             if key not in rows_of:
                 rows = np.unique(np.concatenate(list(arrays.values())))
                 lo, hi = int(rows[0]), int(rows[-1]) + 1
-                rows_of[key] = np.arange(lo, hi) if 2 * rows.size >= hi - lo else rows  # dense: one contiguous copy
-            rows = rows_of[key]
+                dense = 2 * rows.size >= hi - lo  # then one contiguous copy beats gathering
+                rows_of[key] = (np.arange(lo, hi), slice(lo, hi)) if dense else (rows, None)
+            rows, span = rows_of[key]
             staging = sites[site].staging
-            if rows.size == int(rows[-1]) - int(rows[0]) + 1:
-                copied = self._to_host(staging[int(rows[0]) : int(rows[-1]) + 1])
+            if span is not None:
+                copied = self._to_host(staging[span])
             else:
                 copied = self._to_host(staging.index_select(0, device_index(rows, self.runtime.device, self.cuda)))
             flight.captured[site] = (rows, copied)
