@@ -70,19 +70,14 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
+    from throughput import chat_prompts  # the throughput bench's prompts (this script's folder is on sys.path)
     from transformers import AutoTokenizer
 
     from inspect_tl_vllm.aliases import resolve_model
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model("smollm2"))
-    prompt = list(
-        tokenizer.apply_chat_template(
-            [{"role": "user", "content": "Tell me about the history of Paris."}],
-            add_generation_prompt=True,
-            tokenize=True,
-            return_dict=False,
-        )
-    )
+    path = resolve_model("smollm2")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompt = chat_prompts(path, 1)[0]
     results = []
     for case, ids_of in streams(tokenizer, args.requests, args.tokens).items():
         seconds = measure(tokenizer, prompt, ids_of, args.requests, args.tokens)

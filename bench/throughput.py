@@ -21,8 +21,8 @@ state, boot times, KV-cache size and the instrumentation's buffer memory and hos
 recorded with the numbers, and so is what was generated: a random-weight model's tokens are
 arbitrary, and ids past the tokenizer's vocabulary (the 8B shape has 128,256 ids, SmolLM2's
 tokenizer 49,152) cost the front end's detokenizer more than known ones (``detok_cost.py``:
-6.4 against 1.4 us per token when one such id repeats), so each run records the share of such
-ids.  ``--no-detokenize`` leaves detokenizing out for every variant.
+3 to 6 times as much per token when one such id repeats), so each run records the share of
+such ids.  ``--no-detokenize`` leaves detokenizing out for every variant.
 
 ``--py-spy BIN`` samples the instrumented engine's core process with py-spy (every thread,
 idle ones too, with native frames) during one extra run of each steering or capturing
