@@ -7,7 +7,11 @@ Each variant is one ``inspect eval`` subprocess on the same task (``e2e_question
 ``--samples`` chat questions, greedy, ``--max-tokens`` at most), with the same engine
 settings and ``--max-connections`` equal to the sample count.  Reported per variant: wall
 time (engine or server start included), the generation phase (first model call started to
-last model call finished, from the log's model events), output tokens, and the score.
+last model call finished, from the log's model events), output tokens, and the score.  The
+wall time is also split at those two instants (before the first call: start-up and engine
+boot; after the last: scoring and writing logs and activations), and the engine's own
+start-up lines (weights, torch.compile and its cache, CUDA graphs) are kept from its output,
+which is saved whole next to ``--out``.
 
 ``tl-vllm`` boots with ``-M boot=eager`` so that its generation phase excludes the engine
 start.  Inspect's ``vllm/`` provider would start its server inside the first model call, so
@@ -60,8 +64,13 @@ def e2e_questions(samples: int = 256, max_tokens: int = 256) -> Task:
     )
 
 
-def generation_phase(log_file: str) -> dict[str, Any]:
-    """Seconds from the first model call's start to the last one's end, and token counts."""
+BOOT_LINES = ("Loading weights took", "Model loading took", "torch.compile take", "compiled graph",
+              "Compiling a graph", "Graph capturing finished", "init engine", "Directly load")  # fmt: skip
+
+
+def generation_phase(log_file: str, started: float | None = None, ended: float | None = None) -> dict[str, Any]:
+    """Seconds from the first model call's start to the last one's end, and token counts;
+    with the process's ``started``/``ended`` (epoch seconds), the time before and after."""
     from inspect_ai.log import read_eval_log
 
     log = read_eval_log(log_file)
@@ -74,13 +83,22 @@ def generation_phase(log_file: str) -> dict[str, Any]:
                 if event.output.usage:
                     output_tokens += event.output.usage.output_tokens
     metrics = log.results.scores[0].metrics if log.results and log.results.scores else {}
-    return {
+    phase = {
         "status": log.status,
         "samples": len(log.samples or []),
         "generation_s": round(max(ends) - min(starts), 2) if starts else None,
         "output_tokens": output_tokens,
         "accuracy": metrics["accuracy"].value if "accuracy" in metrics else None,
     }
+    if starts and started is not None and ended is not None:
+        phase["before_first_call_s"] = round(min(starts) - started, 1)
+        phase["after_last_call_s"] = round(ended - max(ends), 1)
+    return phase
+
+
+def boot_lines(output: str) -> list[str]:
+    """vLLM's start-up timing lines from an eval's output (its logger prefix dropped)."""
+    return [line.split("] ", 1)[-1][:200] for line in output.splitlines() if any(k in line for k in BOOT_LINES)][:12]
 
 
 def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -141,7 +159,7 @@ def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: P
         "--max-connections", str(args.samples), "--log-dir", str(target), "--display", "plain",
     ]  # fmt: skip
     print(f"[e2e] {name}: {' '.join(command)}", flush=True)
-    started = time.perf_counter()
+    started, started_epoch = time.perf_counter(), time.time()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     finally:
@@ -154,7 +172,10 @@ def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: P
     if server is not None:
         result["server_start_s"] = round(server_s, 1)
     if logs:
-        result.update(generation_phase(str(logs[-1])))
+        result.update(generation_phase(str(logs[-1]), started_epoch, time.time()))
+    result["engine_boot_lines"] = boot_lines(done.stdout + done.stderr)
+    if args.out:
+        Path(args.out).with_name(f"e2e_{name}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0 or not logs:
         result["stderr_tail"] = done.stderr[-3000:]
     print(f"[e2e] {name}: {json.dumps({k: v for k, v in result.items() if k != 'stderr_tail'})}", flush=True)

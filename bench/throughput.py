@@ -14,6 +14,11 @@ Variants, all on the same chat prompts with fixed output lengths (``ignore_eos``
 4. ``capture``     every request captures one hook point, mean over the sample
 5. ``capture_all`` every request captures the residual stream of every layer, per prompt token
 
+and, only when named in ``--variants``, the diagnostic ``steer_zero``: ``steer``'s requests
+with coefficient 0.  The hooks, tables, vector bank and receipts do all of ``steer``'s work,
+but the outputs stay ``plain``'s, so the difference between the two steer variants is what
+changing the outputs costs (a random-weight model's greedy outputs are nearly constant).
+
 Runs are interleaved (each round runs every variant once, in a rotated order) after one
 warm-up round; the table reports the median generated tokens/s, the spread, and each median
 as a ratio to (1).  Engine modes (compile, CUDA graphs, async scheduling), compile-cache
@@ -25,8 +30,9 @@ tokenizer 49,152) cost the front end's detokenizer more than known ones (``detok
 such ids.  ``--no-detokenize`` leaves detokenizing out for every variant.
 
 ``--py-spy BIN`` samples the instrumented engine's core process with py-spy (every thread,
-idle ones too, with native frames) during one extra run of each steering or capturing
-variant after the measured rounds, and writes the raw stacks next to ``--out``.
+idle ones too; Python frames only, since native unwinding slowed a steered run fifteenfold)
+during one extra run of each steering or capturing variant after the measured rounds, and
+writes the raw stacks next to ``--out``.
 """
 
 from __future__ import annotations
@@ -169,7 +175,7 @@ def sampled_by_py_spy(binary: str | None, output: str | None) -> Iterator[None]:
         print("[bench] py-spy: no EngineCore process found; not profiling", flush=True)
         yield
         return
-    command = [binary, "record", "--pid", str(core.pid), "--threads", "--idle", "--native", "--rate", "100"]
+    command = [binary, "record", "--pid", str(core.pid), "--threads", "--idle", "--rate", "100"]
     spy = subprocess.Popen([*command, "--format", "raw", "--output", output], stdout=subprocess.DEVNULL)
     time.sleep(1.0)  # let it attach
     try:
@@ -237,9 +243,9 @@ def variant_specs(variant: str, vectors: list[list[float]], layers: int) -> list
     middle = layers // 2
     if variant == "plain":
         return [None] * len(vectors)
-    if variant == "steer":
-        hook = f"blocks.{middle}.hook_resid_post"
-        return [{"interventions": [{"hook": hook, "vector": v, "coef": 1.0}]} for v in vectors]
+    if variant in ("steer", "steer_zero"):
+        hook, coef = f"blocks.{middle}.hook_resid_post", 1.0 if variant == "steer" else 0.0
+        return [{"interventions": [{"hook": hook, "vector": v, "coef": coef}]} for v in vectors]
     if variant == "capture":
         return [{"capture": {"hooks": [f"blocks.{middle}.hook_resid_post"], "reduce": "mean"}} for _ in vectors]
     hooks = ["blocks.0.hook_resid_pre", *(f"blocks.{i}.hook_resid_post" for i in range(layers))]
