@@ -173,7 +173,8 @@ def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: P
         result["server_start_s"] = round(server_s, 1)
     if logs:
         result.update(generation_phase(str(logs[-1]), started_epoch, time.time()))
-    result["engine_boot_lines"] = boot_lines(done.stdout + done.stderr)
+    server_log = (log_dir / "vllm-serve.log").read_text() if server is not None else ""
+    result["engine_boot_lines"] = boot_lines(server_log + done.stdout + done.stderr)
     if args.out:
         Path(args.out).with_name(f"e2e_{name}.log").write_text(done.stdout + done.stderr)
     if done.returncode != 0 or not logs:

@@ -5,6 +5,7 @@
 #   bash bench/gpu_run.sh check  OUTDIR   # install, prepare SmolLM2, hook cost, router cost, gpu_check (~4 min)
 #   bash bench/gpu_run.sh 8b     OUTDIR   # throughput, Llama-3-8B shape (~4 min; PY_SPY=BIN adds profiles)
 #   bash bench/gpu_run.sh 8b-nodetok OUTDIR  # the same without detokenizing, four variants (~3 min)
+#   bash bench/gpu_run.sh 8b-scaled OUTDIR   # as 8b, weights re-drawn at training-init scale (~4 min)
 #   bash bench/gpu_run.sh diag   OUTDIR   # steer vs steer_zero, capture_all, 3 rounds, py-spy (PY_SPY=BIN) (~5 min)
 #   bash bench/gpu_run.sh e2e    OUTDIR   # inspect eval: vllm/ vs tl-vllm (~5 min)
 #   bash bench/gpu_run.sh smol   OUTDIR   # throughput, SmolLM2 (~5 min)
@@ -15,7 +16,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh check|8b|8b-nodetok|diag|e2e|smol OUTDIR}
+step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|diag|e2e|smol OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -39,6 +40,10 @@ case "$step" in
   8b)
     timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 5 \
       ${PY_SPY:+--py-spy "$PY_SPY"} --out "$out/throughput_8b.json" >"$log" 2>&1
+    ;;
+  8b-scaled)
+    timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 5 \
+      --weights scaled --out "$out/throughput_8b_scaled.json" >"$log" 2>&1
     ;;
   8b-nodetok)
     timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 5 \

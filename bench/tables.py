@@ -57,6 +57,23 @@ def router_cost(data: dict[str, Any]) -> list[str]:
     ]
 
 
+def _gpu_power(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Per variant, medians over its runs of the GPU's SM clock and power (``gpu_power.py``)."""
+    rows = [(variant, [r["gpu"] for r in rs if "gpu" in r]) for variant, rs in runs.items()]
+    rows = [(variant, gpu) for variant, gpu in rows if gpu]
+    if not rows:
+        return []
+    lines = ["", "| variant | SM clock MHz (median / lowest) | power W | share of samples power-capped |"]
+    lines.append("|---|---|---|---|")
+    for variant, gpu in rows:
+        clock = _median(g["sm_clock_mhz_median"] for g in gpu)
+        lowest = min(g["sm_clock_mhz_min"] for g in gpu)
+        power = _median(g["power_w_median"] for g in gpu)
+        capped = _median(g["power_capped_share"] for g in gpu)
+        lines.append(f"| {variant} | {clock:,.0f} / {lowest:,} | {power:.0f} | {capped:.0%} |")
+    return lines
+
+
 def gpu_check(data: dict[str, Any]) -> list[str]:
     skip = {"steered_text", "device"}
     lines = [f"GPU check ({data.get('dtype')}, {data.get('device')})", "", "| check | result |", "|---|---|"]
@@ -68,7 +85,8 @@ def throughput(data: dict[str, Any]) -> list[str]:
     runs = data.get("runs", {})
     lines = [
         f"Throughput, {data['model']}: {data['prompts']} prompts x {data['new_tokens']} new tokens, "
-        f"{data['rounds_done']} rounds, detokenize={data.get('detokenize', True)}",
+        f"{data['rounds_done']} rounds, detokenize={data.get('detokenize', True)}, "
+        f"weights={data.get('weights', 'as-loaded')}",
         "",
         "| variant | median tok/s | min–max | ratio to vanilla | target | median s | worker host: route / harvest s "
         "| prepare / generate / fetch s | distinct ids / unknown to tokenizer |",
@@ -115,6 +133,7 @@ def throughput(data: dict[str, Any]) -> list[str]:
                 f"| {info['compilation_mode']}, {info['cudagraph_mode']}, async={info['async_scheduling']} |"
             )
     lines += _pinned_host(runs)
+    lines += _gpu_power(runs)
     if data.get("errors"):
         lines += ["", f"Errors: {data['errors']}"]
     return lines

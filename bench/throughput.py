@@ -51,6 +51,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import gpu_power  # bench/ is on sys.path when this file runs as a script
+
 VARIANTS = ["vanilla", "plain", "steer", "capture", "capture_all"]
 LLAMA_8B_SHAPE = {
     "architectures": ["LlamaForCausalLM"],
@@ -119,10 +121,12 @@ def engine_modes(llm: Any) -> dict[str, Any]:
     }
 
 
-def serve(kind: str, path: str, engine_args: dict[str, Any], prompts: list[list[int]], conn: Any) -> None:
+def serve(kind: str, path: str, engine_args: dict[str, Any], prompts: list[list[int]], weights: str, conn: Any) -> None:
     """One engine in its own process, running the variants the parent asks for."""
     if kind == "vanilla":
         os.environ["VLLM_PLUGINS"] = ""  # before vLLM is imported: no plugin, ours included
+    if weights == "scaled":  # collective_rpc pickles the function; these are the bench's own engines
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     import torch
 
     started = time.time()
@@ -137,6 +141,10 @@ def serve(kind: str, path: str, engine_args: dict[str, Any], prompts: list[list[
         engine = inspect_tl_vllm.boot(path, instrument={"max_vectors": len(prompts)}, **engine_args)
         llm = engine.llm
     info = {"boot_s": round(time.time() - started, 1), **engine_modes(llm)}
+    if weights == "scaled":
+        from scaled_weights import rescale  # bench/ is on sys.path (this file's folder)
+
+        info["rescaled_parameters"] = llm.collective_rpc(rescale)[0]
     if engine is not None:
         status = engine.status()
         info["buffer_bytes"] = status["buffer_bytes"]
@@ -264,6 +272,12 @@ def main() -> int:
     parser.add_argument("--scratch", default="/tmp/tlvllm-bench")
     parser.add_argument("--cpu", action="store_true", help="tiny smoke run on vLLM's CPU build")
     parser.add_argument("--no-detokenize", action="store_true", help="detokenize=False for every variant")
+    parser.add_argument(
+        "--weights",
+        choices=["as-loaded", "scaled"],
+        default="as-loaded",
+        help="scaled: re-draw the weights at training-init scale after loading (scaled_weights.py)",
+    )
     parser.add_argument("--py-spy", default=None, metavar="BIN", help="profile one extra run per instrumented variant")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -280,12 +294,13 @@ def main() -> int:
     engines: dict[str, Any] = {}
     summary: dict[str, Any] = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens}
     summary["detokenize"] = not args.no_detokenize
+    summary["weights"] = args.weights
     summary["engine_args"] = engine_args
     for kind in ("vanilla", "instrumented"):
         if kind == "vanilla" and "vanilla" not in variants:
             continue
         parent, child = context.Pipe()
-        process = context.Process(target=serve, args=(kind, path, engine_args, prompts, child))
+        process = context.Process(target=serve, args=(kind, path, engine_args, prompts, args.weights, child))
         process.start()
         child.close()  # so that a child dying during boot reads as EOF here, not as a hang
         try:
@@ -306,7 +321,10 @@ def main() -> int:
         _, conn = engines["vanilla" if variant == "vanilla" else "instrumented"]
         options = {"detokenize": not args.no_detokenize, "py_spy": args.py_spy, "profile_to": profile_to}
         conn.send((variant, new_tokens, options))
-        return conn.recv()
+        power: dict[str, Any] = {}
+        with gpu_power.sampled(power):
+            result = conn.recv()
+        return {**result, **power}
 
     errors = summary.setdefault("errors", {})
     for variant in list(variants):  # warm-up round, not recorded; a variant that fails here is dropped
@@ -351,7 +369,7 @@ def write_summary(
     summary["rounds_done"] = min((len(runs) for runs in results.values()), default=0)
     summary["table"] = table(results)
     kept = ("seconds", "tok_s", "worker_steps", "worker_host_s", "phases_s", "pinned_host")
-    kept += ("distinct_tokens", "unknown_token_share")
+    kept += ("distinct_tokens", "unknown_token_share", "gpu")
     summary["runs"] = {v: [{k: r[k] for k in kept if k in r} for r in rs] for v, rs in results.items()}
     instrumented = [runs[-1] for variant, runs in results.items() if variant != "vanilla" and runs]
     if instrumented:

@@ -1,0 +1,36 @@
+"""Random weights at the scale a trained model has, for throughput runs (``--weights scaled``).
+
+vLLM's dummy weights are uniform in +-1e-3, RMSNorm weights included, so every layer's
+output is nearly zero, the residual stream is almost the token embedding, and greedy
+decoding gives nearly the same token for every request (2 distinct ids over 65,536 in the
+8B runs).  A GPU runs such batches of repeated rows faster (``gpu_power.py``), and a
+variant that changes the outputs loses that.  Re-drawing the weights the way a model is
+initialised before training (normal, std 0.02; norm weights 1) gives every variant
+distinct rows to work on.  The same seed gives both engines the same weights.
+
+Sent to each worker with ``LLM.collective_rpc``, which pickles the function: the bench sets
+``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` for its own two engines only when asked for this.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def rescale(worker: Any, seed: int = 0, std: float = 0.02) -> int:
+    """Re-draw every floating-point parameter of ``worker``'s model in place; returns how many."""
+    import torch
+
+    model = worker.model_runner.model
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    count = 0
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters()):
+            if not param.is_floating_point():
+                continue
+            if param.dim() == 1:  # norm weights (Llama has no biases)
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, std, generator=generator)
+            count += 1
+    return count
