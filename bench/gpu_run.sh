@@ -6,6 +6,7 @@
 #   bash bench/gpu_run.sh 8b     OUTDIR   # throughput, Llama-3-8B shape (~4 min; PY_SPY=BIN adds profiles)
 #   bash bench/gpu_run.sh 8b-nodetok OUTDIR  # the same without detokenizing, four variants (~3 min)
 #   bash bench/gpu_run.sh 8b-scaled OUTDIR   # as 8b, weights re-drawn at training-init scale (~4 min)
+#   bash bench/gpu_run.sh late-writes OUTDIR  # capture_all with TLVLLM_EARLY_WRITES=0 (~3 min)
 #   bash bench/gpu_run.sh diag   OUTDIR   # steer vs steer_zero, capture_all, 3 rounds, py-spy (PY_SPY=BIN) (~5 min)
 #   bash bench/gpu_run.sh e2e    OUTDIR   # inspect eval: vllm/ vs tl-vllm (~5 min)
 #   bash bench/gpu_run.sh smol   OUTDIR   # throughput, SmolLM2 (~5 min)
@@ -16,7 +17,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|diag|e2e|smol OUTDIR}
+step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|late-writes|diag|e2e|smol OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -48,6 +49,10 @@ case "$step" in
   8b-nodetok)
     timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 5 \
       --no-detokenize --variants vanilla,plain,steer,capture --out "$out/throughput_8b_nodetok.json" >"$log" 2>&1
+    ;;
+  late-writes)
+    TLVLLM_EARLY_WRITES=0 timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 \
+      --new-tokens 256 --runs 5 --variants vanilla,plain,capture_all --out "$out/throughput_8b_late_writes.json" >"$log" 2>&1
     ;;
   diag)
     timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 3 \

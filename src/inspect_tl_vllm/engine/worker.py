@@ -35,6 +35,10 @@ from inspect_tl_vllm.instrument.runtime import HookRuntime, install_hooks
 from inspect_tl_vllm.specs import TAG
 
 log = logging.getLogger(__name__)
+# ``TLVLLM_EARLY_WRITES=0`` keeps prompt captures in host memory until they are fetched instead
+# of writing them out while their requests decode (``_write_early``): a switch for measuring
+# what the writer threads cost the step loop (docs/BENCHMARKS.md, round 4).
+EARLY_WRITES = os.environ.get("TLVLLM_EARLY_WRITES", "1") != "0"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -69,7 +73,9 @@ class Controller:
         )
         self.handles = install_hooks(inner.layers, inner.norm, self.sites, self.runtime)
         self.router = StepRouter(
-            self.runtime, collect=_tensor_parallel_rank() == 0, on_capture_complete=self._write_early
+            self.runtime,
+            collect=_tensor_parallel_rank() == 0,
+            on_capture_complete=self._write_early if EARLY_WRITES else None,
         )
         self.runner = runner
         self.bank_rows: dict[str, int] = {}
