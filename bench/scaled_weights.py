@@ -6,7 +6,8 @@ decoding gives nearly the same token for every request (2 distinct ids over 65,5
 8B runs).  A GPU runs such batches of repeated rows faster (``gpu_power.py``), and a
 variant that changes the outputs loses that.  Re-drawing the weights the way a model is
 initialised before training (normal, std 0.02; norm weights 1) gives every variant
-distinct rows to work on.  The same seed gives both engines the same weights.
+distinct rows to work on.  Each parameter is seeded by its name, so both engines get the
+same weights.
 
 Sent to each worker with ``LLM.collective_rpc``, which pickles the function: the bench sets
 ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` for its own two engines only when asked for this.
@@ -14,6 +15,7 @@ Sent to each worker with ``LLM.collective_rpc``, which pickles the function: the
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 
@@ -22,15 +24,15 @@ def rescale(worker: Any, seed: int = 0, std: float = 0.02) -> int:
     import torch
 
     model = worker.model_runner.model
-    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    generator = torch.Generator(device=next(model.parameters()).device)
     count = 0
     with torch.no_grad():
-        for _, param in sorted(model.named_parameters()):
+        for name, param in model.named_parameters():
             if not param.is_floating_point():
                 continue
             if param.dim() == 1:  # norm weights (Llama has no biases)
                 param.fill_(1.0)
-            else:
-                param.normal_(0.0, std, generator=generator)
+            else:  # seeded by name: the same values whatever else either engine's model holds
+                param.normal_(0.0, std, generator=generator.manual_seed(seed + zlib.crc32(name.encode())))
             count += 1
     return count
