@@ -13,6 +13,10 @@ boot; after the last: scoring and writing logs and activations), and the engine'
 start-up lines (weights, torch.compile and its cache, CUDA graphs) are kept from its output,
 which is saved whole next to ``--out``.
 
+Whether an engine finds its torch.compile cache decides tens of seconds of its start, so the
+engine's start-up lines are kept per variant, and ``--warm-up`` first runs every variant once
+on one sample, untimed, so that each timed run starts with a warm cache.
+
 ``tl-vllm`` boots with ``-M boot=eager`` so that its generation phase excludes the engine
 start.  Inspect's ``vllm/`` provider would start its server inside the first model call, so
 its model events would span the server start; this script therefore starts the same
@@ -194,6 +198,11 @@ def main() -> int:
     parser.add_argument("--log-dir", default="/tmp/tlvllm-e2e")
     parser.add_argument("--timeout", type=int, default=540)
     parser.add_argument("--cpu", action="store_true", help="smoke run on vLLM's CPU build (eager, fp32)")
+    parser.add_argument(
+        "--warm-up",
+        action="store_true",
+        help="first run each variant once on one sample, untimed, so every timed run finds its compile cache warm",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -202,8 +211,15 @@ def main() -> int:
     from inspect_tl_vllm.aliases import resolve_model
 
     model_path = resolve_model(args.model)
-    results = [run_variant(name, args, model_path, Path(args.log_dir)) for name in args.variants.split(",")]
+    names = args.variants.split(",")
+    if args.warm_up:  # same engine settings, so the timed runs below load what these compiled
+        one = argparse.Namespace(**{**vars(args), "samples": 1, "max_tokens": 1, "out": None})
+        for name in names:
+            warm = run_variant(name, one, model_path, Path(args.log_dir) / "warm-up")
+            print(f"[e2e] warm-up {name}: exit {warm['returncode']} in {warm['wall_s']} s", flush=True)
+    results = [run_variant(name, args, model_path, Path(args.log_dir)) for name in names]
     summary = {"model": args.model, "samples": args.samples, "max_tokens": args.max_tokens, "results": results}
+    summary["warm_up"] = args.warm_up
     base = next((r for r in results if r["variant"] == "vllm" and r.get("generation_s")), None)
     if base:
         for r in results:

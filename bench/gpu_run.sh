@@ -9,6 +9,7 @@
 #   bash bench/gpu_run.sh late-writes OUTDIR  # capture_all with TLVLLM_EARLY_WRITES=0 (~3 min)
 #   bash bench/gpu_run.sh diag   OUTDIR   # steer vs steer_zero, capture_all, 3 rounds, py-spy (PY_SPY=BIN) (~5 min)
 #   bash bench/gpu_run.sh e2e    OUTDIR   # inspect eval: vllm/ vs tl-vllm (~5 min)
+#   bash bench/gpu_run.sh e2e-warm OUTDIR # the same after one untimed run of each, caches warm (~8 min)
 #   bash bench/gpu_run.sh smol   OUTDIR   # throughput, SmolLM2 (~5 min)
 #   python3 bench/tables.py OUTDIR        # the markdown tables for docs/BENCHMARKS.md
 #
@@ -17,7 +18,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|late-writes|diag|e2e|smol OUTDIR}
+step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|late-writes|diag|e2e|e2e-warm|smol OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -61,6 +62,10 @@ case "$step" in
     ;;
   e2e)
     timeout 570 python3 bench/e2e.py --samples 256 --timeout 185 --out "$out/e2e.json" >"$log" 2>&1
+    ;;
+  e2e-warm)
+    timeout 570 python3 bench/e2e.py --samples 256 --timeout 185 --warm-up --variants vllm,tl_steer_capture \
+      --out "$out/e2e_warm.json" >"$log" 2>&1
     ;;
   smol)
     timeout 570 python3 bench/throughput.py --model smollm2 --prompts 256 --new-tokens 256 --runs 5 \
