@@ -9,13 +9,12 @@ settings and ``--max-connections`` equal to the sample count.  Reported per vari
 time (engine or server start included), the generation phase (first model call started to
 last model call finished, from the log's model events), output tokens, and the score.  The
 wall time is also split at those two instants (before the first call: start-up and engine
-boot; after the last: scoring and writing logs and activations), and the engine's own
-start-up lines (weights, torch.compile and its cache, CUDA graphs) are kept from its output,
-which is saved whole next to ``--out``.
+boot; after the last: scoring and writing logs and activations).
 
 Whether an engine finds its torch.compile cache decides tens of seconds of its start, so the
-engine's start-up lines are kept per variant, and ``--warm-up`` first runs every variant once
-on one sample, untimed, so that each timed run starts with a warm cache.
+engine's start-up lines (weights, torch.compile and its cache, CUDA graphs) are kept per
+variant, each eval's whole output is saved next to ``--out``, and ``--warm-up`` first runs
+every variant once on one sample, untimed, so that each timed run starts with a warm cache.
 
 ``tl-vllm`` boots with ``-M boot=eager`` so that its generation phase excludes the engine
 start.  Inspect's ``vllm/`` provider would start its server inside the first model call, so

@@ -3,8 +3,9 @@
 vLLM's dummy weights are uniform in +-1e-3, RMSNorm weights included, so every layer's
 output is nearly zero, the residual stream is almost the token embedding, and greedy
 decoding gives nearly the same token for every request (2 distinct ids over 65,536 in the
-8B runs).  A GPU runs such batches of repeated rows faster (``gpu_power.py``), and a
-variant that changes the outputs loses that.  Re-drawing the weights the way a model is
+8B runs).  A GPU may well run such batches of repeated rows faster, at lower power
+(``gpu_power.py`` records that), and a variant that changes the outputs would lose that
+edge: round 4 in docs/BENCHMARKS.md points that way for steering.  Re-drawing the weights the way a model is
 initialised before training (normal, std 0.02; norm weights 1) gives every variant
 distinct rows to work on.  Each parameter is seeded by its name, so both engines get the
 same weights.
