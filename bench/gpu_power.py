@@ -4,9 +4,9 @@ A GPU under its power cap lowers its clocks, and how much power a matrix multipl
 depends on the numbers in it: rows that repeat, or values near zero, switch fewer bits.
 A random-weight model with vLLM's dummy weights (uniform in +-1e-3, norm weights included)
 decodes nearly the same token for every request, so its batches are full of repeated rows,
-and a variant that changes the outputs (steering) also changes how hard the GPU works.  The
-throughput bench records each run's clocks and power so that such a difference shows as
-what it is.
+and a variant that changes the outputs (steering) may thereby change how hard the GPU
+works.  The throughput bench records each run's clocks and power so that such a difference,
+if there is one, shows as what it is.
 """
 
 from __future__ import annotations
