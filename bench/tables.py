@@ -59,8 +59,7 @@ def router_cost(data: dict[str, Any]) -> list[str]:
 
 def _gpu_power(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Per variant, medians over its runs of the GPU's SM clock and power (``gpu_power.py``)."""
-    rows = [(variant, [r["gpu"] for r in rs if "gpu" in r]) for variant, rs in runs.items()]
-    rows = [(variant, gpu) for variant, gpu in rows if gpu]
+    rows = _recorded(runs, "gpu")
     if not rows:
         return []
     lines = ["", "| variant | SM clock MHz (median / lowest) | power W | share of samples power-capped |"]
@@ -142,8 +141,7 @@ def throughput(data: dict[str, Any]) -> list[str]:
 def _pinned_host(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Per run of each instrumented variant: pinned host blocks made, the time spent making
     them, and the pinned memory held after it (runs recorded before these counters: nothing)."""
-    rows = [(variant, [r["pinned_host"] for r in rs if "pinned_host" in r]) for variant, rs in runs.items()]
-    rows = [(variant, pinned) for variant, pinned in rows if pinned]
+    rows = _recorded(runs, "pinned_host")
     if not rows:
         return []
     lines = ["", "| variant | pinned blocks made, per run | time making them s | pinned GB held after |"]
@@ -153,6 +151,12 @@ def _pinned_host(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
         seconds = ", ".join(f"{p['alloc_s']:.3f}" for p in pinned)
         lines.append(f"| {variant} | {made} | {seconds} | {pinned[-1]['gb_held']} |")
     return lines
+
+
+def _recorded(runs: dict[str, list[dict[str, Any]]], key: str) -> list[tuple[str, list[Any]]]:
+    """Per variant, ``key``'s value in each of its runs that recorded it; variants without any left out."""
+    rows = [(variant, [r[key] for r in rs if key in r]) for variant, rs in runs.items()]
+    return [(variant, values) for variant, values in rows if values]
 
 
 def _median(values: Any) -> float:

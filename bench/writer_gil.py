@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import statistics
-import struct
 import sys
 import tempfile
 import threading
@@ -36,7 +35,7 @@ from typing import Any
 
 import torch
 
-from inspect_tl_vllm.engine.handoff import write_tensors
+from inspect_tl_vllm.engine.handoff import header_bytes, write_tensors
 
 HOOKS, ROWS, WIDTH = 33, 54, 4096
 
@@ -73,15 +72,9 @@ def write_prepared(folder: Path, uid: str, arrays: dict[str, Any]) -> None:
         offset += array.nbytes
     fd = os.open(folder / f"{uid}.safetensors", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        os.writev(fd, [_header(header), *arrays.values()])
+        os.writev(fd, [header_bytes(header), *arrays.values()])
     finally:
         os.close(fd)
-
-
-def _header(header: dict[str, Any]) -> bytes:
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
 
 
 WRITERS = {

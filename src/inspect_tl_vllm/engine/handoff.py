@@ -115,12 +115,17 @@ def save_file(tensors: dict[str, torch.Tensor], path: Path) -> None:
         offset += size
         if size:
             buffers.append(tensor.reshape(-1).view(torch.uint8).numpy())
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
     with open(path, "wb") as out:  # a buffered file writes a large buffer whole, without holding the GIL
-        out.write(struct.pack("<Q", len(text)) + text)
+        out.write(header_bytes(header))
         for buffer in buffers:
             out.write(buffer)
+
+
+def header_bytes(header: dict[str, Any]) -> bytes:
+    """A safetensors file's start: the u64 length, then the JSON header padded to 8 bytes."""
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
 
 
 def load_mapped(path: Path) -> dict[str, torch.Tensor]:
