@@ -144,7 +144,7 @@ def serve(kind: str, path: str, engine_args: dict[str, Any], prompts: list[list[
     if weights == "scaled":
         from scaled_weights import rescale  # bench/ is on sys.path (this file's folder)
 
-        info["rescaled_parameters"] = llm.collective_rpc(rescale)[0]
+        info["rescaled"] = llm.collective_rpc(rescale)[0]
     if engine is not None:
         status = engine.status()
         info["buffer_bytes"] = status["buffer_bytes"]

@@ -179,13 +179,12 @@ class Controller:
             return None
         self.router.drain()
         folder = shared_folder(ticket)
-        return [self._pack(uid, int(max_pos), folder) for uid, max_pos in wanted]
+        states = [(self.results.pop(uid, None), int(max_pos)) for uid, max_pos in wanted]
+        self.router.snapshot([state for state, _ in states if state is not None])
+        return [None if state is None else self._pack(state, max_pos, folder) for state, max_pos in states]
 
-    def _pack(self, uid: str, max_pos: int, folder: Path | None) -> dict[str, Any] | None:
-        state = self.results.pop(uid, None)
-        if state is None:
-            return None
-        self.router.snapshot(state)
+    def _pack(self, state: RequestState, max_pos: int, folder: Path | None) -> dict[str, Any]:
+        uid = state.uid
         if state.written is not None:
             try:
                 written = state.written.result()
