@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -59,18 +60,16 @@ def router_cost(data: dict[str, Any]) -> list[str]:
 
 def _gpu_power(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Per variant, medians over its runs of the GPU's SM clock and power (``gpu_power.py``)."""
-    rows = _recorded(runs, "gpu")
-    if not rows:
-        return []
-    lines = ["", "| variant | SM clock MHz (median / lowest) | power W | share of samples power-capped |"]
-    lines.append("|---|---|---|---|")
-    for variant, gpu in rows:
+
+    def row(variant: str, gpu: list[dict[str, Any]]) -> str:
         clock = _median(g["sm_clock_mhz_median"] for g in gpu)
         lowest = min(g["sm_clock_mhz_min"] for g in gpu)
         power = _median(g["power_w_median"] for g in gpu)
         capped = _median(g["power_capped_share"] for g in gpu)
-        lines.append(f"| {variant} | {clock:,.0f} / {lowest:,} | {power:.0f} | {capped:.0%} |")
-    return lines
+        return f"| {variant} | {clock:,.0f} / {lowest:,} | {power:.0f} | {capped:.0%} |"
+
+    header = "| variant | SM clock MHz (median / lowest) | power W | share of samples power-capped |"
+    return _per_variant_table(runs, "gpu", header, row)
 
 
 def gpu_check(data: dict[str, Any]) -> list[str]:
@@ -141,16 +140,25 @@ def throughput(data: dict[str, Any]) -> list[str]:
 def _pinned_host(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Per run of each instrumented variant: pinned host blocks made, the time spent making
     them, and the pinned memory held after it (runs recorded before these counters: nothing)."""
-    rows = _recorded(runs, "pinned_host")
-    if not rows:
-        return []
-    lines = ["", "| variant | pinned blocks made, per run | time making them s | pinned GB held after |"]
-    lines.append("|---|---|---|---|")
-    for variant, pinned in rows:
+
+    def row(variant: str, pinned: list[dict[str, Any]]) -> str:
         made = ", ".join(str(p["blocks_made"]) for p in pinned)
         seconds = ", ".join(f"{p['alloc_s']:.3f}" for p in pinned)
-        lines.append(f"| {variant} | {made} | {seconds} | {pinned[-1]['gb_held']} |")
-    return lines
+        return f"| {variant} | {made} | {seconds} | {pinned[-1]['gb_held']} |"
+
+    header = "| variant | pinned blocks made, per run | time making them s | pinned GB held after |"
+    return _per_variant_table(runs, "pinned_host", header, row)
+
+
+def _per_variant_table(
+    runs: dict[str, list[dict[str, Any]]], key: str, header: str, row: Callable[[str, list[Any]], str]
+) -> list[str]:
+    """A table of one row per variant that recorded ``key`` (none at all: no table)."""
+    rows = _recorded(runs, key)
+    if not rows:
+        return []
+    separator = "|" + "---|" * (header.count("|") - 1)  # one per column
+    return ["", header, separator, *(row(variant, values) for variant, values in rows)]
 
 
 def _recorded(runs: dict[str, list[dict[str, Any]]], key: str) -> list[tuple[str, list[Any]]]:
