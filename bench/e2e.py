@@ -9,7 +9,9 @@ settings and ``--max-connections`` equal to the sample count.  Reported per vari
 time (engine or server start included), the generation phase (first model call started to
 last model call finished, from the log's model events), output tokens, and the score.  The
 wall time is also split at those two instants (before the first call: start-up and engine
-boot; after the last: scoring and writing logs and activations).
+boot; after the last: scoring and writing logs and activations).  ``tl-vllm`` runs through
+``inspect_timeline.py``, which records when its start-up steps (imports, model constructor,
+engine start) end; of ``vllm serve`` the time of its first output is kept.
 
 Whether an engine finds its torch.compile cache decides tens of seconds of its start, so the
 engine's start-up lines (weights, torch.compile and its cache, CUDA graphs) are kept per
@@ -115,8 +117,11 @@ def engine_settings(args: argparse.Namespace) -> dict[str, Any]:
     return {"max_model_len": args.max_model_len, "gpu_memory_utilization": args.gpu_memory_utilization}
 
 
-def start_vllm_server(model_path: str, args: argparse.Namespace, log: Path) -> tuple[subprocess.Popen, int, float]:
-    """Plain ``vllm serve`` with the same settings; returns it, its port and its start time."""
+def start_vllm_server(
+    model_path: str, args: argparse.Namespace, log: Path
+) -> tuple[subprocess.Popen, int, dict[str, float | None]]:
+    """Plain ``vllm serve`` with the same settings; returns it, its port, and when it first
+    wrote output and answered ``/health`` (seconds after its start)."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -128,17 +133,20 @@ def start_vllm_server(model_path: str, args: argparse.Namespace, log: Path) -> t
         flag = "--" + key.replace("_", "-")
         command += [flag] if value is True else [flag, str(value)]
     log.parent.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
+    started, first_output = time.perf_counter(), None
     server = subprocess.Popen(
         command, env={**os.environ, "VLLM_PLUGINS": ""}, stdout=log.open("w"), stderr=subprocess.STDOUT
     )
     while time.perf_counter() - started < args.timeout:
         if server.poll() is not None:
             raise RuntimeError(f"vllm serve exited with {server.returncode}; see {log}")
+        if first_output is None and log.stat().st_size:
+            first_output = time.perf_counter() - started  # its imports are done by then, give or take a second
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as reply:
                 if reply.status == 200:
-                    return server, port, time.perf_counter() - started
+                    ready = time.perf_counter() - started
+                    return server, port, {"server_start_s": ready, "first_output_s": first_output}
         except OSError:
             time.sleep(1)
     server.terminate()
@@ -147,16 +155,21 @@ def start_vllm_server(model_path: str, args: argparse.Namespace, log: Path) -> t
 
 def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: Path) -> dict[str, Any]:
     engine = [arg for key, value in engine_settings(args).items() for arg in ("-M", f"{key}={value}")]
-    server, server_s = None, 0.0
+    server, server_times = None, {"server_start_s": 0.0}
+    target = log_dir / name
+    timeline = target / "timeline.json"
     if name == "vllm":
-        server, port, server_s = start_vllm_server(model_path, args, log_dir / "vllm-serve.log")
+        server, port, server_times = start_vllm_server(model_path, args, log_dir / "vllm-serve.log")
         model, engine, extra = f"vllm/{model_path}", [], ["-M", f"port={port}"]
+        inspect = [sys.executable, "-m", "inspect_ai"]
     else:
         model, extra = f"tl-vllm/{model_path}", ["-M", "boot=eager"]
         extra += STEER + CAPTURE if name == "tl_steer_capture" else []
-    target = log_dir / name
+        inspect = [sys.executable, str(Path(__file__).with_name("inspect_timeline.py")), str(timeline)]
+    target.mkdir(parents=True, exist_ok=True)
+    timeline.unlink(missing_ok=True)
     command = [
-        sys.executable, "-m", "inspect_ai", "eval", f"{Path(__file__).resolve()}@e2e_questions",
+        *inspect, "eval", f"{Path(__file__).resolve()}@e2e_questions",
         "--model", model, *engine, *extra,
         "-T", f"samples={args.samples}", "-T", f"max_tokens={args.max_tokens}",
         "--max-connections", str(args.samples), "--log-dir", str(target), "--display", "plain",
@@ -169,11 +182,13 @@ def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: P
         if server is not None:
             server.terminate()
             server.wait(timeout=60)
-    wall = server_s + time.perf_counter() - started
+    wall = server_times["server_start_s"] + time.perf_counter() - started
     logs = sorted(target.glob("*.eval"))
     result: dict[str, Any] = {"variant": name, "wall_s": round(wall, 1), "returncode": done.returncode}
     if server is not None:
-        result["server_start_s"] = round(server_s, 1)
+        result.update({key: round(value, 1) for key, value in server_times.items() if value is not None})
+    if timeline.exists():
+        result["timeline_s"] = json.loads(timeline.read_text())
     if logs:
         result.update(generation_phase(str(logs[-1]), started_epoch, time.time()))
     server_log = (log_dir / "vllm-serve.log").read_text() if server is not None else ""

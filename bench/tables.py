@@ -186,6 +186,12 @@ def e2e(data: dict[str, Any]) -> list[str]:
             f"| {r.get('output_tokens', '—')} | {r.get('accuracy', '—')} | {r.get('wall_ratio_to_vllm', '—')} "
             f"| {r.get('generation_ratio_to_vllm', '—')} |"
         )
+    for r in data["results"]:
+        if "first_output_s" in r:
+            lines += ["", f"{r['variant']}: the server wrote its first output {r['first_output_s']} s after its start."]
+        if "timeline_s" in r:
+            lines += ["", f"{r['variant']}, start-up (seconds since the process started):", ""]
+            lines += ["| step | s |", "|---|---|"] + [f"| {step} | {at} |" for step, at in r["timeline_s"].items()]
     return lines
 
 

@@ -218,6 +218,41 @@ def test_bad_requests_fail_before_any_generation(tiny_engine, kwargs, fragment):
     assert tiny_engine.status()["pending_results"] == pending
 
 
+def test_requests_added_in_chunks_keep_their_order_and_their_own_vectors(tiny_engine):
+    """generate() adds requests in growing chunks (8, 16, ...) while it prepares the next ones;
+    each of 30 prompts, spread over three chunks, must come back in its place with its own steering."""
+    torch.manual_seed(11)
+    prompts = [f"Count with me: {' '.join(str(n) for n in range(i + 1))}" for i in range(30)]
+    vectors = [torch.randn(64).tolist() for _ in prompts]
+    specs = [
+        {
+            "interventions": [{"hook": "blocks.1.hook_resid_post", "vector": v, "coef": 4.0}],
+            "capture": {"hooks": ["blocks.2.hook_resid_post"], "reduce": "mean"},
+        }
+        for v in vectors
+    ]
+    together = tiny_engine.generate(prompts, specs=specs, max_tokens=4, ignore_eos=True)
+    assert [g.prompt_token_ids for g in together] == [tiny_engine.tokenize(p) for p in prompts]
+    for i in (0, 7, 8, 23, 24, 29):  # first and last of each chunk
+        alone = tiny_engine.generate([prompts[i]], specs=[specs[i]], max_tokens=4, ignore_eos=True)[0]
+        assert together[i].token_ids == alone.token_ids
+        hook = "blocks.2.hook_resid_post"
+        assert torch.allclose(together[i].activations[hook], alone.activations[hook], atol=1e-5, rtol=1e-5)
+
+
+def test_a_bad_spec_in_a_later_chunk_aborts_the_requests_already_added(tiny_engine):
+    from inspect_tl_vllm import SpecError
+
+    good = {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [0.5] * 64}]}
+    bad = {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [0.5] * 63}]}
+    specs = [good] * 26 + [bad] + [good] * 3  # the third chunk fails after the first 24 requests went in
+    with pytest.raises(SpecError, match="prompt 26: interventions\\[0\\].vector: vector has 63 entries"):
+        tiny_engine.generate([PROMPTS[0]] * 30, specs=specs, max_tokens=50)
+    assert not tiny_engine.llm.llm_engine.has_unfinished_requests()
+    after = tiny_engine.generate(PROMPTS, max_tokens=3)  # nothing of the failed call comes back here
+    assert [g.prompt_token_ids for g in after] == [tiny_engine.tokenize(p) for p in PROMPTS]
+
+
 def test_refused_engine_settings_are_named():
     from inspect_tl_vllm import SpecError
     from inspect_tl_vllm.engine.construct import check_engine_args

@@ -41,6 +41,16 @@ class Generation:
     positions: dict[str, list[int]] = field(default_factory=dict)
 
 
+def _chunks(total: int, first: int = 8) -> list[tuple[int, int]]:
+    """[start, stop) ranges that double in size: the first requests reach the engine quickly,
+    and a few hundred take only a handful of vector uploads."""
+    bounds, start, size = [], 0, first
+    while start < total:
+        bounds.append((start, min(total, start + size)))
+        start, size = start + size, size * 2
+    return bounds
+
+
 def on_cpu_build() -> bool:
     """Whether vLLM runs on its CPU platform.
 
@@ -95,9 +105,15 @@ class Engine:
         strict: bool = True,
         **sampling: Any,
     ) -> list[Generation]:
-        """Generate for every prompt; ``specs`` gives each prompt its own spec (else one for all)."""
-        from vllm import SamplingParams
+        """Generate for every prompt; ``specs`` gives each prompt its own spec (else one for all).
 
+        Requests enter the engine in growing chunks, each as soon as its specs are prepared and
+        its vectors uploaded, so the engine is already generating for the first prompts while
+        the front end loads, hashes and uploads the vectors of the later ones (vLLM's own
+        ``generate`` likewise adds each prompt as soon as it is rendered).  Every spec is
+        validated before the first request goes in; a later failure (a vector file that does
+        not load, a vector of the wrong width) aborts the requests already added.
+        """
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict | int))
         prompts = [prompts] if single else prompts
         shared = parse_request_spec({"interventions": steering or [], "capture": capture}, "generate()")
@@ -106,35 +122,25 @@ class Engine:
             raise ValueError(f"specs: {len(per_prompt)} specs for {len(prompts)} prompts")
         front = self.core.instrumentation
         started = time.perf_counter()
-        token_lists = [self.tokenize(p) for p in prompts]
+        checked = [None if raw is None else parse_request_spec(raw, f"prompt {i}") for i, raw in enumerate(per_prompt)]
+        sampling = {"max_tokens": max_tokens, "temperature": temperature, **sampling}
         prepared: list[PreparedRequest | None] = []
-        for i, (tokens, raw) in enumerate(zip(token_lists, per_prompt, strict=True)):
-            spec = None if raw is None else parse_request_spec(raw, f"prompt {i}")
-            prepared.append(front.prepare(spec, prompt_len=len(tokens), max_tokens=max_tokens, where=f"prompt {i}"))
-        blob = front.pending_upload(prepared)
-        if blob is not None:
-            self.llm.collective_rpc("tlvllm_put_vectors", args=(blob,))
-        inputs, params = [], []
-        for tokens, request in zip(token_lists, prepared, strict=True):
-            prompt: dict[str, Any] = {"prompt_token_ids": tokens}
-            extra = None
-            if request is not None:
-                extra = {"tlvllm": request.wire}
-                if request.cache_salt:
-                    prompt["cache_salt"] = request.cache_salt
-            params.append(
-                SamplingParams(
-                    max_tokens=max_tokens,
-                    temperature=temperature,
-                    extra_args=extra,
-                    skip_reading_prefix_cache=bool(request and request.skip_prefix_cache) or None,
-                    skip_clone=True,  # one fresh object per request: vLLM need not deep-copy it (and its wire spec)
-                    **sampling,
-                )
-            )
-            inputs.append(prompt)
-        prepared_at = time.perf_counter()
-        outputs = self.llm.generate(inputs, params, use_tqdm=False)
+        added: list[str] = []
+        try:
+            for start, stop in _chunks(len(prompts)):
+                tokens = [self.tokenize(prompt) for prompt in prompts[start:stop]]
+                requests = [
+                    front.prepare(spec, prompt_len=len(ids), max_tokens=max_tokens, where=f"prompt {i}")
+                    for i, spec, ids in zip(range(start, stop), checked[start:stop], tokens, strict=True)
+                ]
+                added += self._add(tokens, requests, sampling)
+                prepared += requests
+            prepared_at = time.perf_counter()
+            outputs = self.llm.wait_for_completion(use_tqdm=False)
+        except BaseException:  # a failed spec or an interrupt: no request of this call may run on
+            if added:
+                self.llm.llm_engine.abort_request(added, internal=True)
+            raise
         generated_at = time.perf_counter()
         wanted = [
             [r.uid, max_input_position(len(o.prompt_token_ids), len(o.outputs[0].token_ids))]
@@ -157,11 +163,37 @@ class Engine:
                 gen.receipt, gen.activations, gen.positions = result.receipt, result.activations, result.positions
             results.append(gen)
         self.last_timings = {
-            "prepare_s": prepared_at - started,  # specs checked, vectors loaded and uploaded
-            "generate_s": generated_at - prepared_at,  # vLLM's generate
+            # specs checked, vectors loaded and uploaded, requests added (the engine runs meanwhile)
+            "prepare_s": prepared_at - started,
+            "generate_s": generated_at - prepared_at,  # the rest of vLLM's generation
             "fetch_s": time.perf_counter() - generated_at,  # results fetched from the workers and decoded
         }
         return results
+
+    def _add(
+        self, token_lists: list[list[int]], requests: list[PreparedRequest | None], sampling: dict[str, Any]
+    ) -> list[str]:
+        """Upload the vectors these requests need that the workers lack, then add the requests."""
+        from vllm import SamplingParams
+
+        blob = self.core.instrumentation.pending_upload(requests)
+        if blob is not None:
+            self.llm.collective_rpc("tlvllm_put_vectors", args=(blob,))
+        inputs, params = [], []
+        for tokens, request in zip(token_lists, requests, strict=True):
+            prompt: dict[str, Any] = {"prompt_token_ids": tokens}
+            if request is not None and request.cache_salt:
+                prompt["cache_salt"] = request.cache_salt
+            params.append(
+                SamplingParams(
+                    extra_args=None if request is None else {"tlvllm": request.wire},
+                    skip_reading_prefix_cache=bool(request and request.skip_prefix_cache) or None,
+                    skip_clone=True,  # one fresh object per request: vLLM need not deep-copy it (and its wire spec)
+                    **sampling,
+                )
+            )
+            inputs.append(prompt)
+        return self.llm.enqueue(inputs, params, use_tqdm=False)
 
     def status(self) -> dict[str, Any]:
         return merge_status(self.llm.collective_rpc("tlvllm_status"))

@@ -1,0 +1,95 @@
+"""``inspect`` with a start-up timeline of the ``tl-vllm`` provider, for ``e2e.py``.
+
+    python bench/inspect_timeline.py TIMELINE.json eval task.py --model tl-vllm/...
+
+Runs Inspect's command line unchanged, after wrapping a few provider functions so that the
+seconds since this process started are recorded when Inspect is imported, when the
+provider's module is (it brings torch), when the model's constructor starts, when vLLM's
+engine classes are imported, when the engine starts and is ready, when the constructor
+returns, and when the first model call starts (eager boot: ``-M boot=eager``).  The wrappers only take timestamps; the
+marks are written to TIMELINE.json when the command exits.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+STARTED = time.time()
+MARKS: dict[str, float] = {}
+
+
+def mark(name: str) -> None:
+    MARKS.setdefault(name, round(time.time() - STARTED, 2))
+
+
+def timed(name: str, function: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(function)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        mark(f"{name} start")
+        result = function(*args, **kwargs)
+        mark(f"{name} end")
+        return result
+
+    return wrapper
+
+
+def instrument() -> None:
+    import inspect_ai  # noqa: F401
+
+    mark("inspect_ai imported")
+    from inspect_tl_vllm.engine import construct
+    from inspect_tl_vllm.provider import api, engine_pool
+
+    mark("provider imported")
+    api.TLVLLMAPI.__init__ = timed("model constructor", api.TLVLLMAPI.__init__)
+    construct.load_hf_config = timed("hf config", construct.load_hf_config)
+    build = construct.construct_instrumented_llm
+
+    @functools.wraps(build)
+    def construct_with_marks(*args: Any, **kwargs: Any) -> Any:
+        mark("construct_instrumented_llm start")
+        # imported here rather than a moment later inside ``build``, to time the import apart
+        from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        mark("vllm engine classes imported")
+        AsyncLLM.from_engine_args = classmethod(timed("AsyncLLM.from_engine_args", AsyncLLM.from_engine_args.__func__))
+        result = build(*args, **kwargs)
+        mark("construct_instrumented_llm end")
+        return result
+
+    engine_pool.construct_instrumented_llm = construct_with_marks
+    generate = api.TLVLLMAPI.generate
+
+    @functools.wraps(generate)
+    async def first_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        mark("first model call")
+        return await generate(self, *args, **kwargs)
+
+    api.TLVLLMAPI.generate = first_call
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+
+    @atexit.register  # registered first, so it runs last: after the provider shut its engine down
+    def write() -> None:
+        mark("exiting, engine shut down")
+        out.write_text(json.dumps(MARKS, indent=1))
+
+    instrument()
+    from inspect_ai._cli.main import main as inspect_main
+
+    sys.argv = ["inspect", *sys.argv[2:]]
+    inspect_main()
+
+
+if __name__ == "__main__":
+    main()
