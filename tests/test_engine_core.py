@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from conftest import assert_batch_matches_solo, boot_engine
+from conftest import assert_batch_matches_solo, boot_engine, environment
 from hf_reference import hf_activations, hf_greedy, load_hf
 
 pytestmark = pytest.mark.engine
@@ -159,6 +159,25 @@ def test_prompt_captures_are_written_out_early_and_equal_the_full_capture(tiny_e
             assert pair.positions[hook] == [0, n - 1]
             assert torch.equal(pair.activations[hook], whole.activations[hook][[0, n - 1]]), hook
     assert not list(tiny_engine.core.instrumentation.handoff.path.glob("*.safetensors"))  # every file was taken
+
+
+def test_late_writes_switch_keeps_prompt_captures_in_memory_with_the_same_rows(vllm_ready, tiny_llama_dir, tiny_engine):
+    """``TLVLLM_EARLY_WRITES=0`` (a benchmark switch) must change only when prompt captures
+    leave the worker, not what they hold."""
+    hooks = ["blocks.0.hook_resid_pre", "blocks.2.hook_resid_post"]
+    spec = {"capture": {"hooks": hooks, "positions": "prompt"}}
+    with environment(TLVLLM_EARLY_WRITES="0"):
+        late = boot_engine(tiny_llama_dir, instrument={"hook_points": ["all"]})
+    try:
+        got = late.generate(PROMPTS, specs=[spec] * len(PROMPTS), max_tokens=6)
+        assert late.status()["written_early"] == 0
+        want = tiny_engine.generate(PROMPTS, specs=[spec] * len(PROMPTS), max_tokens=6)
+        for a, b in zip(got, want, strict=True):
+            assert a.token_ids == b.token_ids and a.positions == b.positions
+            for hook in hooks:
+                assert torch.equal(a.activations[hook], b.activations[hook]), hook
+    finally:
+        late.llm.llm_engine.engine_core.shutdown()
 
 
 def test_reductions_match_per_token_rows(tiny_engine):

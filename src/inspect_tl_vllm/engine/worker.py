@@ -35,10 +35,6 @@ from inspect_tl_vllm.instrument.runtime import HookRuntime, install_hooks
 from inspect_tl_vllm.specs import TAG
 
 log = logging.getLogger(__name__)
-# ``TLVLLM_EARLY_WRITES=0`` keeps prompt captures in host memory until they are fetched instead
-# of writing them out while their requests decode (``_write_early``): a switch for measuring
-# what the writer threads cost the step loop (docs/BENCHMARKS.md, round 4).
-EARLY_WRITES = os.environ.get("TLVLLM_EARLY_WRITES", "1") != "0"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -75,7 +71,7 @@ class Controller:
         self.router = StepRouter(
             self.runtime,
             collect=_tensor_parallel_rank() == 0,
-            on_capture_complete=self._write_early if EARLY_WRITES else None,
+            on_capture_complete=self._write_early if _early_writes() else None,
         )
         self.runner = runner
         self.bank_rows: dict[str, int] = {}
@@ -266,6 +262,14 @@ class Controller:
             "host_seconds": {key: round(value, 6) for key, value in self.host_seconds.items()},
             "pinned_host": _pinned_host_stats(),
         }
+
+
+def _early_writes() -> bool:
+    """``TLVLLM_EARLY_WRITES=0`` keeps prompt captures in host memory until they are fetched
+    instead of writing them out while their requests decode (``_write_early``): a switch for
+    measuring what the writer threads cost the step loop (docs/BENCHMARKS.md, round 4).  Read
+    when the worker boots, so an engine booted with it set keeps it."""
+    return os.environ.get("TLVLLM_EARLY_WRITES", "1") != "0"
 
 
 def _pinned_host_stats() -> dict[str, float]:
