@@ -29,6 +29,13 @@ def test_batch_generation_is_deterministic_with_expected_shapes(tiny_engine):
     assert sorted(phases) == ["fetch_s", "generate_s", "prepare_s"] and all(t >= 0 for t in phases.values())
 
 
+def test_progress_bar_is_shown_only_when_asked(tiny_engine, capfd):
+    tiny_engine.generate(PROMPTS, max_tokens=2)
+    assert "Processed prompts" not in capfd.readouterr().err
+    tiny_engine.generate(PROMPTS, max_tokens=2, progress=True)
+    assert "Processed prompts" in capfd.readouterr().err
+
+
 def test_finished_requests_leave_the_worker(tiny_engine):
     """Requests that all finish in the same step are reported finished in a step with no
     tokens, which vLLM runs without ``_preprocess``; the worker must still let them go,

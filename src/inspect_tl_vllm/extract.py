@@ -47,7 +47,7 @@ def extract_vectors(engine: Any, pairs: list[tuple[Any, Any]], hooks: list[str],
     if reduce not in ("mean", "last"):
         raise SpecError(f"reduce: {reduce!r}; use 'mean' or 'last'")
     prompts = [side for pair in pairs for side in pair]
-    results = engine.generate(prompts, capture={"hooks": hooks, "reduce": reduce}, max_tokens=1)
+    results = engine.generate(prompts, capture={"hooks": hooks, "reduce": reduce}, max_tokens=1, progress=True)
     vectors = {}
     for hook in hooks:
         rows = torch.stack([r.activations[hook][0].float() for r in results])

@@ -103,6 +103,7 @@ class Engine:
         max_tokens: int = 16,
         temperature: float = 0.0,
         strict: bool = True,
+        progress: bool = False,
         **sampling: Any,
     ) -> list[Generation]:
         """Generate for every prompt; ``specs`` gives each prompt its own spec (else one for all).
@@ -113,6 +114,7 @@ class Engine:
         ``generate`` likewise adds each prompt as soon as it is rendered).  Every spec is
         validated before the first request goes in; a later failure (a vector file that does
         not load, a vector of the wrong width) aborts the requests already added.
+        ``progress=True`` shows vLLM's progress bar over the requests.
         """
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict | int))
         prompts = [prompts] if single else prompts
@@ -136,7 +138,7 @@ class Engine:
                 added += self._add(tokens, requests, sampling)
                 prepared += requests
             prepared_at = time.perf_counter()
-            outputs = self.llm.wait_for_completion(use_tqdm=False)
+            outputs = self.llm.wait_for_completion(use_tqdm=progress)
         except BaseException:  # a failed spec or an interrupt: no request of this call may run on
             if added:
                 self.llm.llm_engine.abort_request(added, internal=True)
