@@ -271,10 +271,14 @@ def test_a_bad_spec_in_a_later_chunk_aborts_the_requests_already_added(tiny_engi
 
     good = {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [0.5] * 64}]}
     bad = {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [0.5] * 63}]}
-    specs = [good] * 26 + [bad] + [good] * 3  # the third chunk fails after the first 24 requests went in
+    capture = {"capture": {"hooks": ["blocks.0.hook_resid_post"], "positions": "prompt"}}  # written out early
+    specs = [good] * 20 + [capture] * 6 + [bad] + [good] * 3  # the third chunk fails after 24 requests went in
+    pending = tiny_engine.status()["pending_results"]
     with pytest.raises(SpecError, match="prompt 26: interventions\\[0\\].vector: vector has 63 entries"):
         tiny_engine.generate([PROMPTS[0]] * 30, specs=specs, max_tokens=50)
     assert not tiny_engine.llm.llm_engine.has_unfinished_requests()
+    assert tiny_engine.status()["pending_results"] == pending  # the worker holds nothing of the aborted requests
+    assert not list(tiny_engine.core.instrumentation.handoff.path.glob("*.safetensors"))  # nor files
     after = tiny_engine.generate(PROMPTS, max_tokens=3)  # nothing of the failed call comes back here
     assert [g.prompt_token_ids for g in after] == [tiny_engine.tokenize(p) for p in PROMPTS]
 

@@ -249,6 +249,41 @@ def test_eager_boot_starts_the_engine_before_any_request(provider_args, tiny_lla
     assert eager.engine is lazy.engine and eager.engine.booted
 
 
+def test_a_cancelled_request_leaves_nothing_in_the_worker(provider_args, tiny_llama_dir):
+    """A sample cancelled mid-generation (a time limit, a failed eval) is aborted by vLLM; the
+    provider must also take back its receipt and captured rows, which the worker keeps until fetched."""
+    import asyncio
+
+    from inspect_ai.model import ChatMessageUser
+
+    from inspect_tl_vllm.engine.frontend import merge_status
+    from inspect_tl_vllm.provider.api import TLVLLMAPI
+
+    model = TLVLLMAPI(str(tiny_llama_dir), **{**provider_args, "max_num_seqs": 5, "boot": "eager"})
+
+    async def status() -> dict:
+        core = await model.engine.core()
+        return merge_status(await model.engine.run(lambda: core.engine.collective_rpc("tlvllm_status")))
+
+    async def scenario() -> tuple[int, int]:
+        pending = (await status())["pending_results"]
+        config = GenerateConfig(max_tokens=200, temperature=0.0)
+        request = asyncio.create_task(model.generate([ChatMessageUser(content="Tell a story.")], [], "none", config))
+        while (await status())["live_requests"] == 0:  # the worker has admitted it: it is generating
+            await asyncio.sleep(0.002)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        for _ in range(500):  # the provider takes the results back in the background
+            if (await status())["pending_results"] == pending:
+                break
+            await asyncio.sleep(0.01)
+        return pending, (await status())["pending_results"]
+
+    before, after = asyncio.run(scenario())
+    assert after == before
+
+
 def test_probe_scorer_reads_the_stored_activations(provider_args, tiny_llama_dir, tmp_path):
     from inspect_tl_vllm import activations
     from inspect_tl_vllm.probes import probe_scorer, probe_value, save_probe

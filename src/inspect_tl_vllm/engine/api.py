@@ -9,6 +9,7 @@ out[0].text, out[0].activations["blocks.6.hook_resid_post"], out[0].receipt
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +26,7 @@ from inspect_tl_vllm.engine.frontend import (
 )
 from inspect_tl_vllm.specs import Capture, Intervention, RequestSpec, parse_request_spec
 
+logger = logging.getLogger(__name__)
 Prompt = str | list[dict[str, str]] | list[int]  # text, chat messages, or token ids
 
 
@@ -142,6 +144,7 @@ class Engine:
         except BaseException:  # a failed spec or an interrupt: no request of this call may run on
             if added:
                 self.llm.llm_engine.abort_request(added, internal=True)
+                self._discard([request for request in prepared if request is not None])
             raise
         generated_at = time.perf_counter()
         wanted = [
@@ -196,6 +199,17 @@ class Engine:
             )
             inputs.append(prompt)
         return self.llm.enqueue(inputs, params, use_tqdm=False)
+
+    def _discard(self, requests: list[PreparedRequest]) -> None:
+        """Take back what the workers hold for aborted requests; a failure here is logged, so
+        that it does not hide the error that caused the abort."""
+        if not requests:
+            return
+        front = self.core.instrumentation
+        try:
+            front.discard(self.llm.collective_rpc("tlvllm_fetch", args=front.discard_args(requests)))
+        except Exception as err:  # the engine may be what failed
+            logger.warning(f"tl-vllm: could not release the aborted requests' results in the workers: {err}")
 
     def status(self) -> dict[str, Any]:
         return merge_status(self.llm.collective_rpc("tlvllm_status"))

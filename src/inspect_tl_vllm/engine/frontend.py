@@ -172,6 +172,18 @@ class Instrumentation:
         """Arguments of the ``tlvllm_fetch`` RPC for ``wanted`` ([uid, last input position] pairs)."""
         return wanted, self.handoff.ticket()
 
+    def discard_args(self, requests: list[PreparedRequest]) -> tuple[list[list[Any]], list[str]]:
+        """``tlvllm_fetch`` arguments that take back what the workers hold for requests that were
+        aborted or cancelled: their receipts, captured rows and early-written files would
+        otherwise stay until the engine stops (position 0: no more rows than needed)."""
+        return self.fetch_args([[request.uid, 0] for request in requests])
+
+    def discard(self, per_worker: list[list[dict[str, Any] | None] | None]) -> None:
+        """Drop the answer to ``discard_args``' fetch, deleting the hand-off files it names."""
+        for payload in merge_fetched(per_worker):
+            for name in (payload or {}).get("files", []):
+                self.handoff.take(name)
+
     def decode(self, payload: dict[str, Any] | None, where: str = "request") -> CaptureResult:
         if payload is None:
             raise SteeringNotApplied(f"{where}: the worker has no record of this request (was the engine restarted?)")

@@ -9,6 +9,7 @@ summary and the steering receipt.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 import uuid
@@ -199,8 +200,13 @@ class TLVLLMAPI(ModelAPI):
             if prepared.cache_salt:
                 prompt["cache_salt"] = prepared.cache_salt
         final = None
-        async for out in engine.generate(prompt, params, request_id=uuid.uuid4().hex):
-            final = out
+        try:
+            async for out in engine.generate(prompt, params, request_id=uuid.uuid4().hex):
+                final = out
+        except BaseException:  # cancelled (a sample limit, a failed eval) or failed: vLLM aborted it
+            if prepared is not None:
+                self.engine.spawn(_discard(core, prepared))  # the cancelled caller cannot wait for it
+            raise
         payload = None
         if prepared is not None:
             generated = max(len(c.token_ids) for c in final.outputs)
@@ -290,6 +296,14 @@ class TLVLLMAPI(ModelAPI):
             check_writable(directory)
             self._writable_dirs.add(directory)
         return directory
+
+
+async def _discard(core: Any, prepared: PreparedRequest) -> None:
+    """Take back what the workers hold for a request that did not finish (best effort: the
+    engine may be what failed)."""
+    with contextlib.suppress(Exception):
+        args = core.instrumentation.discard_args([prepared])
+        core.instrumentation.discard(await core.engine.collective_rpc("tlvllm_fetch", args=args))
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:

@@ -36,6 +36,7 @@ class EngineThread:
         self._kwargs = engine_kwargs
         self._core: InstrumentedLLM | None = None
         self._boot_lock = asyncio.Lock()  # concurrent first requests must boot one engine, not one each
+        self._tasks: set[asyncio.Task] = set()  # background work on the engine loop, kept referenced
         self.boots = 0
 
     @property
@@ -85,6 +86,12 @@ class EngineThread:
         """Run ``make()`` on the engine loop and await its result from the caller's loop."""
         future = asyncio.run_coroutine_threadsafe(make(), self._start())
         return await asyncio.wrap_future(future)
+
+    def spawn(self, work: Coroutine[Any, Any, Any]) -> None:
+        """Run ``work`` on the engine loop without waiting for it (call from that loop)."""
+        task = asyncio.get_running_loop().create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def discard(self, core: InstrumentedLLM) -> None:
         """Drop a dead engine so the next request boots a fresh one (once, however many
