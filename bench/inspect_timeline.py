@@ -6,8 +6,9 @@ Runs Inspect's command line unchanged, after wrapping a few provider functions s
 seconds since this process started are recorded when Inspect is imported, when the
 provider's module is (it brings torch), when the model's constructor starts, when vLLM's
 engine classes are imported, when the engine starts and is ready, when the constructor
-returns, and when the first model call starts (eager boot: ``-M boot=eager``).  The wrappers only take timestamps; the
-marks are written to TIMELINE.json when the command exits.
+returns (with ``-M boot=eager`` the engine boots inside it), and when the first model call
+starts.  The wrappers only take timestamps; the marks are written to TIMELINE.json when the
+command exits.
 """
 
 from __future__ import annotations

@@ -23,6 +23,8 @@ from inspect_tl_vllm.engine.frontend import (
     max_input_position,
     merge_fetched,
     merge_status,
+    sampling_fields,
+    vllm_prompt,
 )
 from inspect_tl_vllm.specs import Capture, Intervention, RequestSpec, parse_request_spec
 
@@ -184,20 +186,9 @@ class Engine:
         blob = self.core.instrumentation.pending_upload(requests)
         if blob is not None:
             self.llm.collective_rpc("tlvllm_put_vectors", args=(blob,))
-        inputs, params = [], []
-        for tokens, request in zip(token_lists, requests, strict=True):
-            prompt: dict[str, Any] = {"prompt_token_ids": tokens}
-            if request is not None and request.cache_salt:
-                prompt["cache_salt"] = request.cache_salt
-            params.append(
-                SamplingParams(
-                    extra_args=None if request is None else {"tlvllm": request.wire},
-                    skip_reading_prefix_cache=bool(request and request.skip_prefix_cache) or None,
-                    skip_clone=True,  # one fresh object per request: vLLM need not deep-copy it (and its wire spec)
-                    **sampling,
-                )
-            )
-            inputs.append(prompt)
+        inputs = [vllm_prompt(tokens, request) for tokens, request in zip(token_lists, requests, strict=True)]
+        # one fresh object per request: vLLM need not deep-copy it (and its wire spec)
+        params = [SamplingParams(**sampling, **sampling_fields(request), skip_clone=True) for request in requests]
         return self.llm.enqueue(inputs, params, use_tqdm=False)
 
     def _discard(self, requests: list[PreparedRequest]) -> None:

@@ -20,7 +20,7 @@ import torch
 from inspect_tl_vllm.engine.handoff import HandoffFolder
 from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, canonical_hook_point, layout_for
 from inspect_tl_vllm.instrument.vectors import load_vector, vector_hash
-from inspect_tl_vllm.specs import InstrumentConfig, RequestSpec, SpecError
+from inspect_tl_vllm.specs import TAG, InstrumentConfig, RequestSpec, SpecError
 
 
 class SteeringNotApplied(RuntimeError):
@@ -195,6 +195,23 @@ class Instrumentation:
         for name in payload.get("files", []):
             activations.update(self.handoff.take(name))
         return CaptureResult(payload["receipt"], activations, payload.get("positions", {}))
+
+
+def vllm_prompt(token_ids: list[int], request: PreparedRequest | None) -> dict[str, Any]:
+    """vLLM's prompt for ``token_ids``, salted when steered so that differently steered requests
+    never share prefix-cache entries."""
+    prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
+    if request is not None and request.cache_salt:
+        prompt["cache_salt"] = request.cache_salt
+    return prompt
+
+
+def sampling_fields(request: PreparedRequest | None) -> dict[str, Any]:
+    """The ``SamplingParams`` fields that carry ``request``'s spec to the workers (none for a
+    plain request): the wire spec, and no prefix-cache reads when it captures."""
+    if request is None:
+        return {}
+    return {"extra_args": {TAG: request.wire}, "skip_reading_prefix_cache": request.skip_prefix_cache or None}
 
 
 def max_input_position(prompt_len: int, num_generated: int) -> int:

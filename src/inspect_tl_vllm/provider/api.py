@@ -31,7 +31,13 @@ from inspect_ai.model import (
 from inspect_ai.tool import ToolChoice, ToolInfo
 
 from inspect_tl_vllm.aliases import resolve_model
-from inspect_tl_vllm.engine.frontend import PreparedRequest, max_input_position, merge_fetched
+from inspect_tl_vllm.engine.frontend import (
+    PreparedRequest,
+    max_input_position,
+    merge_fetched,
+    sampling_fields,
+    vllm_prompt,
+)
 from inspect_tl_vllm.provider import carry_over as _carry_over  # noqa: F401 (registers the eval-retry hook)
 from inspect_tl_vllm.provider.engine_pool import EngineThread, shared_engine
 from inspect_tl_vllm.provider.model_args import parse_model_args
@@ -180,25 +186,19 @@ class TLVLLMAPI(ModelAPI):
             args["stop"] = list(config.stop_seqs)
         if config.logprobs:
             args["logprobs"] = config.top_logprobs or 0
-        if prepared is not None:
-            args["extra_args"] = {TAG: prepared.wire}
-            args["skip_reading_prefix_cache"] = prepared.skip_prefix_cache or None
         # A fresh object per request, as vLLM's own OpenAI server makes: it need not be deep-copied.
-        return SamplingParams(**args, skip_clone=True)
+        return SamplingParams(**args, **sampling_fields(prepared), skip_clone=True)
 
     async def _run(self, core: Any, prompt_ids: list[int], params: Any, prepared: PreparedRequest | None) -> Any:
         """On the engine loop: upload new vectors, run the request, fetch its captures."""
         engine = core.engine
-        prompt: dict[str, Any] = {"prompt_token_ids": prompt_ids}
-        if prepared is not None:
-            if prepared.vectors:
-                assert self.engine.upload_lock is not None
-                async with self.engine.upload_lock:
-                    blob = core.instrumentation.pending_upload([prepared])
-                    if blob is not None:
-                        await engine.collective_rpc("tlvllm_put_vectors", args=(blob,))
-            if prepared.cache_salt:
-                prompt["cache_salt"] = prepared.cache_salt
+        prompt = vllm_prompt(prompt_ids, prepared)
+        if prepared is not None and prepared.vectors:
+            assert self.engine.upload_lock is not None
+            async with self.engine.upload_lock:
+                blob = core.instrumentation.pending_upload([prepared])
+                if blob is not None:
+                    await engine.collective_rpc("tlvllm_put_vectors", args=(blob,))
         final = None
         try:
             async for out in engine.generate(prompt, params, request_id=uuid.uuid4().hex):
