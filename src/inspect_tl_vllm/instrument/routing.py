@@ -18,6 +18,13 @@ adds the steered rows' norm changes to device-side receipt sums (``receipts.py``
 vLLM's asynchronous scheduling keeps the GPU busy; copies are accounted once their event has
 completed (checked without blocking), or when results are fetched.
 
+Those copies go into pinned blocks of at most ``HOST_CHUNK_BYTES`` each.  Torch's pinned
+host pool caches blocks by power-of-two size and never splits one, so copies of whole
+prefill steps (a different size every step, up to 128 MiB per site for an 8B model) left
+cached blocks of the wrong sizes idle while it made new ones: 66 new blocks took 2.6 s of
+one round's step loop (docs/BENCHMARKS.md, round 6).  In fixed chunks every large copy
+reuses the same blocks, and the pool grows only when more rows are held at once than before.
+
 Rows that a request recomputes after preemption are steered again but counted and captured
 only once (a position at or below the highest one already seen is skipped).
 """
@@ -38,6 +45,7 @@ from inspect_tl_vllm.instrument.runtime import IDENTITY_STAGE, HookRuntime
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 MAX_IN_FLIGHT = 8  # launched copies not yet accounted; beyond this the host waits for the oldest
+HOST_CHUNK_BYTES = 8 << 20  # largest pinned block a per-token copy takes (module docstring)
 
 
 @dataclass
@@ -116,7 +124,7 @@ class _InFlight:
     """Device-to-host copies launched after a step, or when requests retire."""
 
     per_token: list[tuple[RequestState, CaptureItem, np.ndarray, np.ndarray]] = field(default_factory=list)
-    captured: dict[int, tuple[np.ndarray, torch.Tensor]] = field(default_factory=dict)  # site -> rows, host rows
+    captured: dict[int, tuple[np.ndarray, list[torch.Tensor]]] = field(default_factory=dict)  # site -> rows, chunks
     retired: list[RequestState] = field(default_factory=list)
     pooled_reads: dict[int, tuple[np.ndarray, torch.Tensor]] = field(default_factory=dict)  # site -> slots, data
     receipt_reads: _ReceiptReads | None = None
@@ -165,7 +173,8 @@ class StepRouter:
     ``collect=False`` (tensor-parallel ranks other than 0, which hold the same residual
     stream) steers but records nothing.  ``on_capture_complete`` receives each request
     whose per-token capture is complete before the request ends (a scope inside the prompt),
-    as soon as its last rows are on the host.
+    as soon as its last rows are on the host.  ``chunk_rows`` (default: what fits in
+    ``HOST_CHUNK_BYTES``) is the most rows one host copy holds.
     """
 
     def __init__(
@@ -174,10 +183,13 @@ class StepRouter:
         *,
         collect: bool = True,
         on_capture_complete: Callable[[RequestState], None] | None = None,
+        chunk_rows: int | None = None,
     ) -> None:
         self.runtime = runtime
         self.collect = collect
         self.on_capture_complete = on_capture_complete
+        row_bytes = runtime.hidden_size * runtime.act_dtype.itemsize
+        self.chunk_rows = chunk_rows or max(1, HOST_CHUNK_BYTES // row_bytes)
         self.cuda = runtime.device.type == "cuda"
         self.sites = sorted(runtime.sites)
         self.table_of_site = {site: j for j, site in enumerate(self.sites)}
@@ -447,10 +459,11 @@ class StepRouter:
             rows, span = rows_of[key]
             staging = sites[site].staging
             if span is not None:
-                copied = self._to_host(staging[span])
+                source = staging[span]
             else:
-                copied = self._to_host(staging.index_select(0, device_index(rows, self.runtime.device, self.cuda)))
-            flight.captured[site] = (rows, copied)
+                source = staging.index_select(0, device_index(rows, self.runtime.device, self.cuda))
+            step = self.chunk_rows
+            flight.captured[site] = (rows, [self._to_host(source[lo : lo + step]) for lo in range(0, len(rows), step)])
         flight.event = self._record()
         return flight
 
@@ -537,16 +550,18 @@ class StepRouter:
         closing = [state for state, positions in landing.values() if state.capture_closes_with(positions)]
         keep_pinned = self.on_capture_complete is not None and len(closing) == len(landing)
         copy = self.cuda and not keep_pinned
-        host = {site: (rows, data.clone() if copy else data) for site, (rows, data) in flight.captured.items()}
-        where: dict[tuple[int, int], slice | torch.Tensor] = {}  # (site rows, request rows) -> index into data
+        host = {
+            site: (rows, [chunk.clone() for chunk in chunks] if copy else chunks)
+            for site, (rows, chunks) in flight.captured.items()
+        }
+        where: dict[tuple[int, int], list[_Piece]] = {}  # (site rows, request rows) -> where they lie
         for state, item, rows, positions in flight.per_token:
-            site_rows, data = host[item.site]
+            site_rows, chunks = host[item.site]
             key = (id(site_rows), id(rows))
             if key not in where:
-                at = np.searchsorted(site_rows, rows)
-                contiguous = at[-1] - at[0] + 1 == at.size
-                where[key] = slice(int(at[0]), int(at[-1]) + 1) if contiguous else torch.from_numpy(at)
-            _keep_rows(state, item, data[where[key]], positions, self.runtime.hidden_size)
+                where[key] = _pieces(np.searchsorted(site_rows, rows), self.chunk_rows)
+            for chunk, index, part in where[key]:
+                _keep_rows(state, item, chunks[chunk][index], positions[part], self.runtime.hidden_size)
         for state in closing if self.on_capture_complete is not None else ():
             if state.error is None:
                 self.on_capture_complete(state)
@@ -606,6 +621,24 @@ class StepRouter:
         for item in state.steer:
             self._items.free.append(item.slot)
             item.slot = -1
+
+
+_Piece = tuple[int, slice | torch.Tensor, slice]  # chunk, rows within it, the matching part of the request's
+
+
+def _pieces(at: np.ndarray, chunk_rows: int) -> list[_Piece]:
+    """Where a request's rows (``at``: their increasing indices into the copied rows) lie
+    in the host chunks: one piece per chunk they touch, a slice where they are contiguous."""
+    chunk_of = at // chunk_rows
+    bounds = [0, *(np.flatnonzero(np.diff(chunk_of)) + 1).tolist(), at.size]
+    pieces = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        chunk = int(chunk_of[a])
+        local = at[a:b] - chunk * chunk_rows
+        contiguous = local[-1] - local[0] + 1 == local.size
+        index = slice(int(local[0]), int(local[-1]) + 1) if contiguous else torch.from_numpy(local)
+        pieces.append((chunk, index, slice(a, b)))
+    return pieces
 
 
 def _landed(flight: _InFlight) -> bool:

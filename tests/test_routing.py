@@ -1,0 +1,71 @@
+"""Per-token captures travel to the host in fixed-size chunks (``routing.HOST_CHUNK_BYTES``).
+
+The engine tests read per-token captures through the real CPU engine, where a step's rows
+fit one chunk.  These drive the real router on CPU buffers with three-row chunks, so that
+requests straddle chunk boundaries, in a contiguous copy and in a gathered one, and check
+that every request gets exactly its own rows back, in position order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope
+from inspect_tl_vllm.instrument.routing import StepRouter, _pieces
+from inspect_tl_vllm.instrument.runtime import HookRuntime
+
+WIDTH = 4
+
+
+def per_token_state(uid: str, prompt_len: int, capture: bool = True) -> RequestState:
+    state = RequestState(
+        uid=uid, prompt_len=prompt_len, steer=[], capture=[CaptureItem(hook="h", site=0)] if capture else []
+    )
+    state.capture_scope = Scope.resolve("all", prompt_len) if capture else None
+    return state
+
+
+def test_pieces_split_at_chunk_boundaries() -> None:
+    pieces = _pieces(np.array([1, 2, 3, 4, 7]), 3)
+    assert [(chunk, part) for chunk, _, part in pieces] == [(0, slice(0, 2)), (1, slice(2, 4)), (2, slice(4, 5))]
+    assert [index for _, index, _ in pieces[:2]] == [slice(1, 3), slice(0, 2)]
+    gathered = _pieces(np.array([0, 2]), 3)[0][1]
+    assert isinstance(gathered, torch.Tensor) and gathered.tolist() == [0, 2]
+
+
+def test_rows_straddling_chunks_come_back_whole() -> None:
+    """Step 1: prefill of a (5 rows) and b (4 rows): nine contiguous rows, three chunks,
+    a and b each over two.  Step 2: a's and b's prefill continue around c's long prefill
+    (not captured), so the router gathers rows 0, 1, 12 and 13: b straddles two chunks
+    again.  Step 3: one decode row each."""
+    runtime = HookRuntime(
+        site_indices=[0], hidden_size=WIDTH, max_tokens=16, max_stack=1, max_vectors=1,
+        device=torch.device("cpu"), act_dtype=torch.float32,
+    )  # fmt: skip
+    router = StepRouter(runtime, chunk_rows=3)
+    a, b, c = per_token_state("a", 7), per_token_state("b", 6), per_token_state("c", 10, capture=False)
+    for state in (a, b, c):
+        router.admit(state)
+    torch.manual_seed(0)
+    expected: dict[str, list[torch.Tensor]] = {"a": [], "b": []}
+    steps = [
+        ([0, 1, -1], [0, 5, 9], [0, 0]),  # batch index per state (c absent), row offsets, computed tokens
+        ([0, 2, 1], [0, 2, 12, 14], [5, 0, 4]),  # batch order a, b, c: b's rows are 12 and 13
+        ([1, 0, -1], [0, 1, 2], [6, 7]),  # decode: b first in the batch
+    ]
+    for batch_index, query_start, computed in steps:
+        router.begin_step(np.array(batch_index), np.array(query_start), np.array(computed))
+        rows = torch.randn(query_start[-1], WIDTH)
+        runtime.sites[0].staging[: len(rows)] = rows
+        for state, k in ((a, 0), (b, 1)):
+            at = batch_index[k]
+            expected[state.uid].append(rows[query_start[at] : query_start[at + 1]])
+        router.end_step()
+    router.drain()
+    assert len(a.capture[0].blocks) > len(steps)  # some steps' rows came in two pieces
+    for state in (a, b):
+        positions, rows = state.capture[0].per_token(max_pos=state.prompt_len)
+        want = torch.cat(expected[state.uid])
+        assert positions == list(range(len(want)))
+        torch.testing.assert_close(rows, want, rtol=0, atol=0)
