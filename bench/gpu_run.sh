@@ -11,6 +11,8 @@
 #   bash bench/gpu_run.sh e2e    OUTDIR   # inspect eval: vllm/ vs tl-vllm (~5 min)
 #   bash bench/gpu_run.sh e2e-warm OUTDIR # the same after one untimed run of each, caches warm (~8 min)
 #   bash bench/gpu_run.sh smol   OUTDIR   # throughput, SmolLM2 (~5 min)
+#   bash bench/gpu_run.sh smol-plain OUTDIR  # SmolLM2, vanilla and plain only, 8 rounds; PY_SPY=BIN
+#                                          # profiles plain before the first and after the last (~3 min)
 #   python3 bench/tables.py OUTDIR        # the markdown tables for docs/BENCHMARKS.md
 #
 # Each step writes its JSON and log into OUTDIR.  If the fused hook kernel fails its check
@@ -18,7 +20,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|late-writes|diag|e2e|e2e-warm|smol OUTDIR}
+step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|late-writes|diag|e2e|e2e-warm|smol|smol-plain OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -70,6 +72,10 @@ case "$step" in
   smol)
     timeout 570 python3 bench/throughput.py --model smollm2 --prompts 256 --new-tokens 256 --runs 5 \
       --out "$out/throughput_smollm2.json" >"$log" 2>&1
+    ;;
+  smol-plain)
+    timeout 300 python3 bench/throughput.py --model smollm2 --prompts 256 --new-tokens 256 --runs 8 \
+      --variants vanilla,plain ${PY_SPY:+--py-spy "$PY_SPY"} --out "$out/throughput_smollm2_plain.json" >"$log" 2>&1
     ;;
   *)
     echo "unknown step $step" >&2

@@ -29,10 +29,12 @@ tokenizer 49,152) cost the front end's detokenizer more than known ones (``detok
 3 to 6 times as much per token when one such id repeats), so each run records the share of
 such ids.  ``--no-detokenize`` leaves detokenizing out for every variant.
 
-``--py-spy BIN`` samples the instrumented engine's core process with py-spy (every thread,
-idle ones too; Python frames only, since native unwinding slowed a steered run fifteenfold)
-during one extra run of each steering or capturing variant after the measured rounds, and
-writes the raw stacks next to ``--out``.
+``--py-spy BIN`` samples the instrumented engine's core process and its front-end process
+with py-spy (every thread, idle ones too; Python frames only, since native unwinding slowed a
+steered run fifteenfold) during extra runs, and writes the raw stacks next to ``--out``: one
+run of each steering or capturing variant after the measured rounds, and one of ``plain``
+before the first round and after the last (to compare an engine early and late in its life).
+Every run also records which processes and threads used the host's CPU (``proc_stats.py``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from pathlib import Path
 from typing import Any
 
 import gpu_power  # bench/ is on sys.path when this file runs as a script
+import proc_stats
 
 VARIANTS = ["vanilla", "plain", "steer", "capture", "capture_all"]
 LLAMA_8B_SHAPE = {
@@ -171,7 +174,8 @@ def serve(kind: str, path: str, engine_args: dict[str, Any], prompts: list[list[
 
 @contextlib.contextmanager
 def sampled_by_py_spy(binary: str | None, output: str | None) -> Iterator[None]:
-    """Record the engine core process's stacks with py-spy while the block runs (if asked)."""
+    """Record the stacks of the engine core process (into ``output``) and of this front-end
+    process (``output`` with ``.frontend`` added) with py-spy while the block runs (if asked)."""
     if not binary or not output:
         yield
         return
@@ -183,18 +187,22 @@ def sampled_by_py_spy(binary: str | None, output: str | None) -> Iterator[None]:
         print("[bench] py-spy: no EngineCore process found; not profiling", flush=True)
         yield
         return
-    command = [binary, "record", "--pid", str(core.pid), "--threads", "--idle", "--rate", "100"]
-    spy = subprocess.Popen([*command, "--format", "raw", "--output", output], stdout=subprocess.DEVNULL)
-    time.sleep(1.0)  # let it attach
+    spies = []
+    for pid, path in ((core.pid, output), (os.getpid(), f"{output}.frontend")):
+        command = [binary, "record", "--pid", str(pid), "--threads", "--idle", "--rate", "100"]
+        spies.append(subprocess.Popen([*command, "--format", "raw", "--output", path], stdout=subprocess.DEVNULL))
+    time.sleep(1.0)  # let them attach
     try:
         yield
     finally:
-        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-        try:
-            spy.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            spy.kill()
-        print(f"[bench] py-spy exited {spy.returncode}; stacks in {output}", flush=True)
+        for spy in spies:
+            spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+        for spy in spies:
+            try:
+                spy.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                spy.kill()
+        print(f"[bench] py-spy exited {[spy.returncode for spy in spies]}; stacks in {output}*", flush=True)
 
 
 def token_stats(token_ids: list[list[int]], vocab: int) -> dict[str, Any]:
@@ -322,9 +330,19 @@ def main() -> int:
         options = {"detokenize": not args.no_detokenize, "py_spy": args.py_spy, "profile_to": profile_to}
         conn.send((variant, new_tokens, options))
         power: dict[str, Any] = {}
-        with gpu_power.sampled(power):
+        procs: dict[str, Any] = {}
+        with gpu_power.sampled(power), proc_stats.sampled(procs):
             result = conn.recv()
-        return {**result, **power}
+        return {**result, **power, **procs}
+
+    def profile_plain(when: str) -> None:
+        if args.py_spy and "plain" in variants:
+            profile_to = (
+                str(Path(args.out).parent if args.out else Path(".")) + f"/py_spy_{args.model}_plain_{when}.txt"
+            )
+            result = run("plain", args.new_tokens, profile_to)
+            summary.setdefault("profiled_plain_tok_s", {})[when] = round(result.get("tok_s", 0), 1)
+            print(f"[bench] plain under py-spy, {when}: {result.get('tok_s', 0):.0f} tok/s", flush=True)
 
     errors = summary.setdefault("errors", {})
     for variant in list(variants):  # warm-up round, not recorded; a variant that fails here is dropped
@@ -334,6 +352,7 @@ def main() -> int:
             errors[variant] = result["error"]
             variants.remove(variant)
     results: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    profile_plain("first")
     for round_index in range(args.runs):
         order = variants[round_index % len(variants) :] + variants[: round_index % len(variants)]
         for variant in order:
@@ -345,6 +364,7 @@ def main() -> int:
             results[variant].append(result)
             print(f"[bench] round {round_index + 1} {variant}: {result['tok_s']:.0f} tok/s", flush=True)
         write_summary(summary, results, args.out, final=round_index == args.runs - 1)  # partial results survive a kill
+    profile_plain("last")
     if args.py_spy:
         folder = Path(args.out).parent if args.out else Path(".")
         for variant in [v for v in variants if v not in ("vanilla", "plain")]:
@@ -369,7 +389,7 @@ def write_summary(
     summary["rounds_done"] = min((len(runs) for runs in results.values()), default=0)
     summary["table"] = table(results)
     kept = ("seconds", "tok_s", "worker_steps", "worker_host_s", "phases_s", "pinned_host")
-    kept += ("distinct_tokens", "unknown_token_share", "gpu")
+    kept += ("distinct_tokens", "unknown_token_share", "gpu", "procs")
     summary["runs"] = {v: [{k: r[k] for k in kept if k in r} for r in rs] for v, rs in results.items()}
     instrumented = [runs[-1] for variant, runs in results.items() if variant != "vanilla" and runs]
     if instrumented:
