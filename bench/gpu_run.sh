@@ -7,6 +7,7 @@
 #   bash bench/gpu_run.sh 8b-nodetok OUTDIR  # the same without detokenizing, four variants (~3 min)
 #   bash bench/gpu_run.sh 8b-scaled OUTDIR   # as 8b, weights re-drawn at training-init scale (~4 min)
 #   bash bench/gpu_run.sh late-writes OUTDIR  # capture_all with TLVLLM_EARLY_WRITES=0 (~3 min)
+#   bash bench/gpu_run.sh writers OUTDIR  # capture_all with 4 writer threads, then with 1 (~7 min)
 #   bash bench/gpu_run.sh diag   OUTDIR   # steer vs steer_zero, capture_all, 3 rounds, py-spy (PY_SPY=BIN) (~5 min)
 #   bash bench/gpu_run.sh e2e    OUTDIR   # inspect eval: vllm/ vs tl-vllm (~5 min)
 #   bash bench/gpu_run.sh e2e-warm OUTDIR # the same after one untimed run of each, caches warm (~8 min)
@@ -20,7 +21,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|late-writes|diag|e2e|e2e-warm|smol|smol-plain OUTDIR}
+step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|smol|smol-plain OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -56,6 +57,13 @@ case "$step" in
   late-writes)
     TLVLLM_EARLY_WRITES=0 timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 \
       --new-tokens 256 --runs 5 --variants vanilla,plain,capture_all --out "$out/throughput_8b_late_writes.json" >"$log" 2>&1
+    ;;
+  writers)
+    for threads in 4 1; do
+      TLVLLM_WRITER_THREADS=$threads timeout 285 python3 bench/throughput.py --model llama8b-shape --prompts 256 \
+        --new-tokens 256 --runs 5 --weights scaled --variants vanilla,plain,capture_all \
+        --out "$out/throughput_8b_writers_$threads.json" >>"$log" 2>&1
+    done
     ;;
   diag)
     timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 3 \

@@ -8,6 +8,7 @@ up or disappears, and two hook names of one site giving views of the same rows.
 from __future__ import annotations
 
 import gc
+import os
 import shutil
 
 import pytest
@@ -57,10 +58,18 @@ def test_a_folder_that_vanished_falls_back_to_bytes() -> None:
     assert write_tensors(seen, "uid", {}) == {"tensors": b"", "files": []}
 
 
-def test_the_one_copy_writer_gives_files_safetensors_reads(tmp_path) -> None:
+@pytest.mark.parametrize("short_writes", [False, True])
+def test_the_one_copy_writer_gives_files_safetensors_reads(tmp_path, monkeypatch, short_writes: bool) -> None:
+    """With ``short_writes`` each ``writev`` writes at most 7 bytes, as a write may: the
+    writer must go on from exactly where it stopped."""
     from safetensors.torch import load_file
 
+    from inspect_tl_vllm.engine import handoff
     from inspect_tl_vllm.engine.handoff import save_file
+
+    if short_writes:
+        writev = os.writev
+        monkeypatch.setattr(handoff.os, "writev", lambda fd, views: writev(fd, [bytes(views[0])[:7]]))
 
     block = torch.randn(7, 5).to(torch.bfloat16)
     written = {

@@ -222,9 +222,7 @@ class Controller:
         host memory is let go once they are written.
         """
         if self._writer is None:
-            self._writer = ThreadPoolExecutor(
-                max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="tlvllm-write"
-            )
+            self._writer = ThreadPoolExecutor(max_workers=_writer_threads(), thread_name_prefix="tlvllm-write")
         key = tuple(state.handoff or ())
         if key not in self._folders:
             self._folders[key] = shared_folder(state.handoff)
@@ -270,6 +268,14 @@ def _early_writes() -> bool:
     measuring what the writer threads cost the step loop (docs/BENCHMARKS.md, round 4).  Read
     when the worker boots, so an engine booted with it set keeps it."""
     return os.environ.get("TLVLLM_EARLY_WRITES", "1") != "0"
+
+
+def _writer_threads() -> int:
+    """How many threads write prompt captures out early: ``TLVLLM_WRITER_THREADS``, else up
+    to 4.  More threads keep up with larger captures but contend more for the GIL with the
+    step loop (docs/BENCHMARKS.md, round 7, measures 1 against 4)."""
+    value = os.environ.get("TLVLLM_WRITER_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else min(4, os.cpu_count() or 1)
 
 
 def _pinned_host_stats() -> dict[str, float]:
