@@ -131,6 +131,7 @@ def throughput(data: dict[str, Any]) -> list[str]:
                 f"| {info['compilation_mode']}, {info['cudagraph_mode']}, async={info['async_scheduling']} |"
             )
     lines += _pinned_host(runs)
+    lines += _host_cpu(runs)
     lines += _gpu_power(runs)
     if data.get("errors"):
         lines += ["", f"Errors: {data['errors']}"]
@@ -148,6 +149,37 @@ def _pinned_host(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
 
     header = "| variant | pinned blocks made, per run | time making them s | pinned GB held after |"
     return _per_variant_table(runs, "pinned_host", header, row)
+
+
+def _host_cpu(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
+    """Per variant: tok/s of each run in order, and medians of the host CPU seconds used by
+    the busiest engine-core process (all threads, kernel time, its busiest thread) and by
+    the busiest other Python process, the engine's front end (``proc_stats.py``)."""
+
+    def row(variant: str, procs: list[dict[str, Any]]) -> str:
+        cores = [next((p for p in run["top"] if "EngineCore" in p["name"]), None) for run in procs]
+        fronts = [next((p for p in run["top"] if p["name"].startswith("python")), None) for run in procs]
+        core = [c for c in cores if c]
+        front = [f["cpu_s"] for f in fronts if f]
+        speeds = ", ".join(f"{r['tok_s']:,.0f}" for r in runs[variant])
+        core_text = " / ".join(
+            f"{_median(value):.2f}"
+            for value in (
+                [c["cpu_s"] for c in core],
+                [c["sys_s"] for c in core],
+                [c["busiest_threads"][0]["cpu_s"] for c in core],
+            )
+        )
+        return (
+            f"| {variant} | {speeds} | {core_text} | {_median(front):.2f} "
+            f"| {_median(p['busy_cores'] for p in procs):.1f} |"
+        )
+
+    header = (
+        "| variant | tok/s per run, in order | engine core CPU s: all / kernel / busiest thread | front end CPU s "
+        "| busy cores |"
+    )
+    return _per_variant_table(runs, "procs", header, row)
 
 
 def _per_variant_table(
