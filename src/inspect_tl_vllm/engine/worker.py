@@ -16,6 +16,7 @@ Its method names must not exist on vLLM's Worker (vLLM asserts that), hence the 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -80,7 +81,9 @@ class Controller:
         # Where this worker's own host time goes: wall time per phase, and ("..._cpu") the
         # thread's CPU time within it.  Wall well above CPU time means the thread was waiting
         # (for the GIL, or in a blocking call) rather than working.
-        self.host_seconds = {"route": 0.0, "harvest": 0.0, "route_cpu": 0.0, "harvest_cpu": 0.0}
+        self.host_seconds = {"route": 0.0, "harvest": 0.0, "route_cpu": 0.0, "harvest_cpu": 0.0, "gc": 0.0}
+        self._gc_started = 0.0
+        gc.callbacks.append(self._time_gc)  # Python's collections pause this process's step loop too
         self.steps = 0
         self.resumed = 0  # instrumented requests resumed after preemption (their rows are recomputed)
         self.written_early = 0  # requests whose per-token rows were written out before their fetch
@@ -129,6 +132,12 @@ class Controller:
     def _account(self, phase: str, started: tuple[float, float]) -> None:
         self.host_seconds[phase] += time.perf_counter() - started[0]
         self.host_seconds[f"{phase}_cpu"] += time.thread_time() - started[1]
+
+    def _time_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:
+            self.host_seconds["gc"] += time.perf_counter() - self._gc_started
 
     def _register(self, req_id: str) -> None:
         if req_id in self.live:  # a preempted request sent again: keep what it has captured so far
