@@ -280,11 +280,15 @@ def _early_writes() -> bool:
 
 
 def _writer_threads() -> int:
-    """How many threads write prompt captures out early: ``TLVLLM_WRITER_THREADS``, else up
-    to 4.  More threads keep up with larger captures but contend more for the GIL with the
-    step loop (docs/BENCHMARKS.md, round 7, measures 1 against 4)."""
+    """How many threads write prompt captures out early: ``TLVLLM_WRITER_THREADS``, else one.
+
+    Every time a writer takes the GIL back, the step loop may have to wait for it.  On the
+    H200 with the 8B shape, capturing every layer's prompt rows kept 0.914 of vanilla's
+    throughput with one writer and 0.712 with four, while one writer still finished within
+    0.1-0.2 s of the last request (docs/BENCHMARKS.md, round 7).  More threads only help
+    when a single one cannot keep up with the captures."""
     value = os.environ.get("TLVLLM_WRITER_THREADS", "")
-    return int(value) if value.isdigit() and int(value) > 0 else min(4, os.cpu_count() or 1)
+    return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
 def _pinned_host_stats() -> dict[str, float]:
