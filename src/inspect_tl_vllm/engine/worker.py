@@ -81,9 +81,8 @@ class Controller:
         # Where this worker's own host time goes: wall time per phase, and ("..._cpu") the
         # thread's CPU time within it.  Wall well above CPU time means the thread was waiting
         # (for the GIL, or in a blocking call) rather than working.
-        self.host_seconds = {"route": 0.0, "harvest": 0.0, "route_cpu": 0.0, "harvest_cpu": 0.0, "gc": 0.0}
-        self._gc_started = 0.0
-        gc.callbacks.append(self._time_gc)  # Python's collections pause this process's step loop too
+        self.host_seconds = {"route": 0.0, "harvest": 0.0, "route_cpu": 0.0, "harvest_cpu": 0.0}
+        _GC_TIMER.install()
         self.steps = 0
         self.resumed = 0  # instrumented requests resumed after preemption (their rows are recomputed)
         self.written_early = 0  # requests whose per-token rows were written out before their fetch
@@ -132,12 +131,6 @@ class Controller:
     def _account(self, phase: str, started: tuple[float, float]) -> None:
         self.host_seconds[phase] += time.perf_counter() - started[0]
         self.host_seconds[f"{phase}_cpu"] += time.thread_time() - started[1]
-
-    def _time_gc(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._gc_started = time.perf_counter()
-        else:
-            self.host_seconds["gc"] += time.perf_counter() - self._gc_started
 
     def _register(self, req_id: str) -> None:
         if req_id in self.live:  # a preempted request sent again: keep what it has captured so far
@@ -266,9 +259,37 @@ class Controller:
             "steps": self.steps,
             "resumed_after_preemption": self.resumed,
             "written_early": self.written_early,
-            "host_seconds": {key: round(value, 6) for key, value in self.host_seconds.items()},
+            "host_seconds": {
+                **{key: round(value, 6) for key, value in self.host_seconds.items()},
+                "gc": round(_GC_TIMER.seconds, 6),
+            },
             "pinned_host": _pinned_host_stats(),
         }
+
+
+class _GcTimer:
+    """Time this process spends in Python's garbage collector, which pauses the step loop
+    like any other host work.  One per process: collections belong to the process, and a
+    callback bound to a controller would keep its buffers alive after its engine is gone."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+        self._installed = False
+
+    def install(self) -> None:
+        if not self._installed:
+            gc.callbacks.append(self._on_collection)
+            self._installed = True
+
+    def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._started
+
+
+_GC_TIMER = _GcTimer()
 
 
 def _early_writes() -> bool:
