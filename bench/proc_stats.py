@@ -1,12 +1,13 @@
 """Which processes and threads used the host's CPU while a block ran.
 
-On SmolLM2 a step is so short that host work sets the pace, and in round 6 the
-instrumented engine got slower from round to round while vanilla did not, the worker's own
-routing time growing in step with it (docs/BENCHMARKS.md).  A thread that keeps spinning
-after its work is done, a thread count or memory that grows, or some other process taking
-the cores would each show here: the throughput bench records, per run, the CPU seconds of
-the busiest processes on the machine (their busiest threads by name), their thread counts,
-resident memory and involuntary context switches (time they were made to wait for a core).
+On SmolLM2 a step is so short that host work sets the pace, so a thread that keeps
+spinning, a thread count or memory that grows, or some other process taking the cores
+would each change the numbers.  The throughput bench records, per run, the CPU seconds of
+the busiest processes on the machine (their busiest threads by name), their kernel time,
+thread counts, resident memory and involuntary context switches (times they were made to
+wait for a core).  Round 7 (docs/BENCHMARKS.md) read from them that the engine core's main
+thread is busy nearly all the time on SmolLM2, in both engines, and that the host's CPU
+speed drifts between runs.
 """
 
 from __future__ import annotations
