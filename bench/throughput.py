@@ -337,10 +337,8 @@ def main() -> int:
 
     def profile_plain(when: str) -> None:
         if args.py_spy and "plain" in variants:
-            profile_to = (
-                str(Path(args.out).parent if args.out else Path(".")) + f"/py_spy_{args.model}_plain_{when}.txt"
-            )
-            result = run("plain", args.new_tokens, profile_to)
+            folder = Path(args.out).parent if args.out else Path(".")
+            result = run("plain", args.new_tokens, str(folder / f"py_spy_{args.model}_plain_{when}.txt"))
             summary.setdefault("profiled_plain_tok_s", {})[when] = round(result.get("tok_s", 0), 1)
             print(f"[bench] plain under py-spy, {when}: {result.get('tok_s', 0):.0f} tok/s", flush=True)
 
