@@ -9,7 +9,6 @@ summary and the steering receipt.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import time
 import uuid
@@ -299,11 +298,13 @@ class TLVLLMAPI(ModelAPI):
 
 
 async def _discard(core: Any, prepared: PreparedRequest) -> None:
-    """Take back what the workers hold for a request that did not finish (best effort: the
-    engine may be what failed)."""
-    with contextlib.suppress(Exception):
-        args = core.instrumentation.discard_args([prepared])
-        core.instrumentation.discard(await core.engine.collective_rpc("tlvllm_fetch", args=args))
+    """Take back what the workers hold for a request that did not finish; a failure is logged,
+    as ``Engine._discard`` logs it (the engine may be what failed)."""
+    front = core.instrumentation
+    try:
+        front.discard(await core.engine.collective_rpc("tlvllm_fetch", args=front.discard_args([prepared])))
+    except Exception as err:
+        logger.warning(f"tl-vllm: could not release the cancelled request's results in the workers: {err}")
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:
