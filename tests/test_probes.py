@@ -1,12 +1,19 @@
-"""Linear probes: training recovers a separating direction; bad inputs are named."""
+"""Linear probes: training recovers a separating direction; bad inputs are named; the scorer reads
+only the sample's own folder."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 import torch
+from inspect_ai.model import ModelName, ModelOutput
+from inspect_ai.scorer import Target
+from inspect_ai.solver import TaskState
 
-from inspect_tl_vllm.probes import load_probe, probe_value, save_probe, train_probe
-from inspect_tl_vllm.specs import SpecError
+from inspect_tl_vllm.probes import load_probe, probe_scorer, probe_value, save_probe, train_probe
+from inspect_tl_vllm.specs import TAG, SpecError
+from inspect_tl_vllm.storage import UnsafePathError, write_sample
 
 
 def test_probe_learns_a_planted_direction(tmp_path):
@@ -33,3 +40,28 @@ def test_probe_needs_both_classes_and_matching_shapes():
         train_probe(torch.randn(5, 3), torch.ones(5))
     with pytest.raises(SpecError, match="features must be"):
         train_probe(torch.randn(5, 3), torch.ones(4))
+
+
+def test_probe_scorer_refuses_a_file_name_leading_out_of_the_folder(tmp_path):
+    """The output metadata names a valid file (right checksum) outside its folder: only the name check stops it."""
+    hook = "blocks.0.hook_resid_post"
+    probe = tmp_path / "probe.safetensors"
+    save_probe(probe, torch.ones(4), torch.zeros(()), hook)
+    folder = tmp_path / "logs" / "x.activations"
+    folder.mkdir(parents=True)
+    entry = write_sample(
+        tmp_path,
+        eval_id="E",
+        sample_id="s",
+        epoch=1,
+        sample_uuid="u",
+        activations={hook: torch.ones(2, 4)},
+        tokens={hook: 2},
+    )
+    output = ModelOutput.from_content("tl-vllm/tiny", "answer")
+    # dir, file and sha256, as the provider records them; the file lies two levels above the folder
+    recorded = {"dir": str(folder), "file": f"../../{entry['file']}", "sha256": entry["sha256"]}
+    output.metadata = {TAG: {"activations": recorded}}
+    state = TaskState(ModelName("tl-vllm/tiny"), "s", 1, "q", [], output=output)
+    with pytest.raises(UnsafePathError, match=r"probe_scorer: sample 's' epoch 1 output metadata: file name '\.\./"):
+        asyncio.run(probe_scorer(str(probe))(state, Target("")))

@@ -1,13 +1,22 @@
-"""Activation storage: atomic files, append-only index, retries, hostile sample ids."""
+"""Activation storage: atomic files, append-only index, retries, hostile sample ids, and a reader
+that skips (or, strict, refuses) a record whose file cannot be used."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 import threading
 
 import pytest
 import torch
+from inspect_ai.log import EvalConfig, EvalDataset, EvalLog, EvalSample, EvalSpec, write_eval_log
 
+from inspect_tl_vllm import activations
+from inspect_tl_vllm.activations import SkippedRecordWarning
 from inspect_tl_vllm.storage import (
+    INDEX,
+    StoredFileError,
     activations_dir_for,
     check_writable,
     read_index,
@@ -77,3 +86,84 @@ def test_unwritable_directory_is_reported_before_generation(tmp_path):
 def test_default_directory_sits_beside_the_log():
     assert str(activations_dir_for("/logs/x_task_abc.eval", "E", None)) == "/logs/x_task_abc.activations"
     assert str(activations_dir_for("/logs/x.eval", "E", "/data/acts")) == "/data/acts/E"
+
+
+# -- reading policy: one bad record is skipped (or, strict, raised), the others are returned -----------------
+
+BAD = {
+    "missing": "cannot read .*No such file",
+    "tampered": "checksum mismatch",
+    "escaping": "'../outside.safetensors' refused",
+    "unparsable": "not a readable safetensors file",
+}
+
+
+def log_with_bad_records(tmp_path, bad: list[str]) -> EvalLog:
+    """An eval log of samples ``good-1``, each kind in ``bad`` (its file spoiled that way), ``good-2``."""
+    ids = ["good-1", *bad, "good-2"]
+    spec = EvalSpec(
+        created="2026-01-01T00:00:00+00:00",
+        task="t",
+        dataset=EvalDataset(),
+        model="tl-vllm/tiny",
+        config=EvalConfig(),
+        eval_id="E",
+    )
+    samples = [EvalSample(id=i, epoch=1, input="q", target="a", uuid=f"u-{i}") for i in ids]
+    log = EvalLog(eval=spec, samples=samples, location=str(tmp_path / "x.eval"))
+    directory = activations_dir_for(log.location, "E", None)
+    entries = {i: write(directory, i, 1.0) for i in ids}
+    for kind in bad:
+        _spoil(directory, kind, entries[kind])
+    return log
+
+
+def _spoil(directory, kind: str, entry: dict) -> None:
+    path = directory / entry["file"]
+    if kind == "missing":
+        path.unlink()
+    elif kind == "tampered":
+        path.write_bytes(path.read_bytes()[:-4] + b"oops")
+    elif kind == "escaping":  # a valid copy outside, with its right checksum: only the name gives it away
+        (directory.parent / "outside.safetensors").write_bytes(path.read_bytes())
+        _append(directory, {**entry, "file": "../outside.safetensors"})
+    else:  # unparsable: garbage whose checksum the index line matches
+        path.write_bytes(b"not safetensors")
+        _append(directory, {**entry, "sha256": hashlib.sha256(b"not safetensors").hexdigest()})
+
+
+def _append(directory, entry: dict) -> None:
+    with open(directory / INDEX, "a") as handle:
+        handle.write(json.dumps(entry) + "\n")
+
+
+def test_load_skips_unusable_records_with_a_warning_and_returns_the_others(tmp_path):
+    log = log_with_bad_records(tmp_path, list(BAD))
+    with pytest.warns(SkippedRecordWarning) as caught:
+        records = activations.load(log)
+    assert [r.sample_id for r in records] == ["good-1", "good-2"]
+    messages = [str(w.message) for w in caught if w.category is SkippedRecordWarning]
+    assert len(messages) == len(BAD)
+    for kind, message in zip(BAD, messages, strict=True):
+        assert f"sample {kind!r} epoch 1" in message and "x.activations" in message
+        assert re.search(BAD[kind], message), message
+
+
+@pytest.mark.parametrize("kind", list(BAD))
+def test_load_strict_raises_on_the_first_unusable_record(tmp_path, kind):
+    log = log_with_bad_records(tmp_path, [kind])
+    with pytest.raises(StoredFileError, match=f"sample {kind!r} epoch 1.*{BAD[kind]}"):
+        activations.load(log, strict=True)
+
+
+def test_cli_counts_skipped_records_and_strict_fails(tmp_path, capsys):
+    log = log_with_bad_records(tmp_path, ["tampered"])
+    write_eval_log(log, log.location)
+    assert activations.main([log.location]) == 0
+    out, err = capsys.readouterr()
+    assert "2 samples with activations, 1 skipped" in out
+    assert "checksum mismatch" in err
+    with pytest.raises(SystemExit) as exit_info:
+        activations.main([log.location, "--strict"])
+    assert exit_info.value.code == 1
+    assert "error:" in capsys.readouterr().err

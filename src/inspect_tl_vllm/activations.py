@@ -3,10 +3,14 @@
 from inspect_tl_vllm import activations
 for record in activations.load("logs/2026-...eval"):
     record.sample_id, record.epoch, record.scores, record.activations["blocks.6.hook_resid_post"]
+
+A record whose file is missing, fails its checksum, does not parse or is named so that it would lead
+outside the folder is skipped with a ``SkippedRecordWarning`` (``strict=True`` raises instead).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +19,18 @@ from typing import Any
 import numpy as np
 import torch
 
-from inspect_tl_vllm.storage import activations_dir_for, read_index, read_sample, unpack_positions
+from inspect_tl_vllm.storage import (
+    INDEX,
+    StoredFileError,
+    activations_dir_for,
+    read_index,
+    read_sample,
+    unpack_positions,
+)
+
+
+class SkippedRecordWarning(UserWarning):
+    """A (sample, epoch) whose stored file could not be used was left out of ``load``'s result."""
 
 
 @dataclass
@@ -34,10 +49,15 @@ class SampleActivations:
         return {hook: unpack_positions(info["positions"]) for hook, info in hooks.items() if "positions" in info}
 
 
-def load(log: str | Path | Any, activations_dir: str | None = None, verify: bool = True) -> list[SampleActivations]:
+def load(
+    log: str | Path | Any, activations_dir: str | None = None, verify: bool = True, strict: bool = False
+) -> list[SampleActivations]:
     """Per-sample activations of an eval log (path or EvalLog), with its scores, in log order.
 
-    ``activations_dir`` is the ``-M activations_dir`` the eval ran with, if any.
+    ``activations_dir`` is the ``-M activations_dir`` the eval ran with, if any. One bad file (missing,
+    changed, unparsable, or named outside the folder) should not hide every other sample, so by default
+    its record is left out with a ``SkippedRecordWarning`` naming the file, the sample and the cause;
+    ``strict=True`` raises that ``StoredFileError`` instead, for pipelines that must see every record.
     """
     from inspect_ai.log import read_eval_log
 
@@ -49,6 +69,14 @@ def load(log: str | Path | Any, activations_dir: str | None = None, verify: bool
         entry = entries.get((repr(sample.id), int(sample.epoch)))
         if entry is None or entry.get("sample_uuid") not in (None, sample.uuid):
             continue  # no file, or one left by an earlier attempt of this (sample, epoch) that failed
+        where = f"{directory / INDEX}, sample {sample.id!r} epoch {sample.epoch}"
+        try:
+            tensors = read_sample(directory, entry, verify=verify, where=where)
+        except StoredFileError as err:
+            if strict:
+                raise
+            warnings.warn(f"skipping a record: {err}", SkippedRecordWarning, stacklevel=2)
+            continue
         scores = {name: score.value for name, score in (sample.scores or {}).items()}
         records.append(
             SampleActivations(
@@ -56,7 +84,7 @@ def load(log: str | Path | Any, activations_dir: str | None = None, verify: bool
                 epoch=sample.epoch,
                 sample_uuid=entry["sample_uuid"],
                 scores=scores,
-                activations=read_sample(directory, entry, verify=verify),
+                activations=tensors,
                 index=entry,
             )
         )
@@ -139,21 +167,31 @@ def _arrow_column(values: list[Any]) -> Any:
 def main(argv: list[str] | None = None) -> int:
     """List (or export) the activations an eval log's samples captured."""
     import argparse
+    import sys
 
     parser = argparse.ArgumentParser(prog="tl-vllm activations", description=main.__doc__)
     parser.add_argument("log")
     parser.add_argument("--activations-dir", default=None)
     parser.add_argument("--export", default=None, help="write all arrays and scores to this .npz or .parquet file")
+    parser.add_argument("--strict", action="store_true", help="fail on the first unusable file instead of skipping it")
     args = parser.parse_args(argv)
     exporters = {".npz": (export_npz, "arrays"), ".parquet": (export_parquet, "rows")}
     suffix = Path(args.export).suffix.lower() if args.export else None
     if suffix is not None and suffix not in exporters:
         parser.error(f"--export {args.export}: name a .npz or .parquet file")
-    records = load(args.log, args.activations_dir)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", SkippedRecordWarning)  # one line per record, even a repeated message
+        try:
+            records = load(args.log, args.activations_dir, strict=args.strict)
+        except StoredFileError as err:
+            parser.exit(1, f"error: {err}\n")
+    for warning in caught:
+        print(f"warning: {warning.message}", file=sys.stderr)
     for record in records:
         shapes = ", ".join(f"{hook} {tuple(t.shape)}" for hook, t in record.activations.items())
         print(f"sample {record.sample_id!r} epoch {record.epoch} scores {record.scores}: {shapes}")
-    print(f"{len(records)} samples with activations")
+    skipped = sum(issubclass(w.category, SkippedRecordWarning) for w in caught)
+    print(f"{len(records)} samples with activations, {skipped} skipped (unusable file; --strict fails instead)")
     if suffix is not None:
         export, unit = exporters[suffix]
         print(f"exported {export(records, args.export)} {unit} to {args.export}")

@@ -77,6 +77,9 @@ def probe_scorer(probe: str) -> Any:
         stored = (state.output.metadata or {}).get(TAG, {}).get("activations", {})
         if "dir" not in stored:
             raise SpecError(f"probe_scorer: sample {state.sample_id!r} has no stored activations; capture {hook}")
-        return Score(value=probe_value(read_sample(Path(stored["dir"]), stored), weight, bias, hook))
+        # The file name is data from the output's metadata: read_sample keeps it inside the folder.
+        where = f"probe_scorer: sample {state.sample_id!r} epoch {state.epoch} output metadata"
+        tensors = read_sample(Path(stored["dir"]), stored, where=where)
+        return Score(value=probe_value(tensors, weight, bias, hook))
 
     return score

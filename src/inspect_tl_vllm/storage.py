@@ -9,6 +9,9 @@ plus ``index.jsonl`` that joins them to eval id, sample id, epoch and sample uui
   readers keep the last line per (sample id, epoch).
 - File names are derived from a hash of the sample id, so ids with ``/``, ``..`` or odd
   characters cannot escape the directory.
+- A file name read back (from an index line or a log) is trusted only as a plain name that
+  resolves inside its folder (``contained_file``): an edited index cannot make a reader or
+  ``eval-retry`` touch a file elsewhere.
 - A write that fails (disk full, file size limit) raises an error naming the folder and the cause,
   and leaves neither a partial file nor a partial index line behind.
 - ``link_sample`` adds a file stored for an earlier eval (one that ``eval-retry`` reused a sample
@@ -31,6 +34,53 @@ from typing import Any
 import torch
 
 INDEX = "index.jsonl"
+
+
+class StoredFileError(ValueError):
+    """A file that an index line or a log names cannot be used: it is missing or unreadable, fails its
+    checksum, does not parse, or its name leads outside its folder. One type, so that a reader can
+    skip such a record and keep the others."""
+
+
+class UnsafePathError(StoredFileError):
+    """A name read from an index or a log that would lead outside the folder it must stay in."""
+
+
+def contained_file(directory: Path, name: Any, where: str) -> Path:
+    """``directory / name`` for a file name read from an index or a log (``where`` says which line).
+
+    Such names are data, not paths: an edited ``index.jsonl`` must not make a reader read, or
+    ``eval-retry`` hard-link over, a file outside the folder. So the name must be a plain file name
+    (no path separator, not ``.`` or ``..``, no NUL) and, symlinks followed, stay directly in the folder.
+    """
+    rule = (
+        "a stored file name must be a plain file name that resolves directly inside its activations folder "
+        "(no '/' or '\\', not '.' or '..', no NUL, no symlink leading out)"
+    )
+    refusal = UnsafePathError(
+        f"{where}: file name {name!r} refused for folder {directory}: {rule}. The index or log was edited "
+        "or is corrupt: restore it, or delete that line"
+    )
+    if not isinstance(name, str) or name in ("", ".", "..") or any(c in name for c in ("/", "\\", "\0")):
+        raise refusal
+    path = directory / name
+    try:
+        inside = path.resolve().parent == directory.resolve()
+    except (OSError, RuntimeError, ValueError) as err:  # a symlink loop (RuntimeError before 3.13), a NUL
+        raise refusal from err
+    if not inside:
+        raise refusal
+    return path
+
+
+def is_below(folder: Path, root: Path) -> bool:
+    """Whether ``folder`` resolves (symlinks followed) strictly below ``root``: the test a folder read
+    from a log must pass before files are taken from it."""
+    try:
+        resolved, base = folder.resolve(), root.resolve()
+    except (OSError, RuntimeError, ValueError):  # a symlink loop (RuntimeError before 3.13), a NUL
+        return False
+    return resolved != base and resolved.is_relative_to(base)
 
 
 def activations_dir_for(log_location: str, eval_id: str, override: str | None) -> Path:
@@ -135,20 +185,24 @@ def link_sample(directory: Path, *, eval_id: str, source: Path, entry: dict[str,
     ``eval-retry`` copies completed samples into the new log without running them, so their
     activations exist only in the first log's folder. A hard link (a copy across file systems)
     makes the new folder complete without storing the bytes twice; the new index line names
-    the new eval and where the file came from.
+    the new eval and where the file came from. ``entry`` comes from ``source``'s index, so its
+    file name must stay inside both folders (``UnsafePathError`` otherwise, before anything is written).
     """
+    where = f"{source / INDEX}, sample {entry.get('sample_id')!r} epoch {entry.get('epoch')}"
+    origin = contained_file(source, entry.get("file"), where)
+    target = contained_file(directory, entry["file"], where)
     tmp = directory / f".tmp-{uuid.uuid4().hex}"
     try:
         directory.mkdir(parents=True, exist_ok=True)
         try:
-            os.link(source / entry["file"], tmp)
+            os.link(origin, tmp)
         except OSError:
-            shutil.copyfile(source / entry["file"], tmp)
-        os.replace(tmp, directory / entry["file"])
+            shutil.copyfile(origin, tmp)
+        os.replace(tmp, target)
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise _write_error(directory, entry["file"], err) from err
-    carried = {**entry, "eval_id": eval_id, "carried_from": {"eval_id": entry["eval_id"], "dir": str(source)}}
+    carried = {**entry, "eval_id": eval_id, "carried_from": {"eval_id": entry.get("eval_id"), "dir": str(source)}}
     _append_index(directory, carried)
     return carried
 
@@ -210,10 +264,26 @@ def read_index(directory: Path) -> list[dict[str, Any]]:
     return list(latest.values())
 
 
-def read_sample(directory: Path, entry: dict[str, Any], verify: bool = True) -> dict[str, torch.Tensor]:
+def read_sample(
+    directory: Path, entry: dict[str, Any], verify: bool = True, where: str | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors of the file ``entry`` (an index line, or a log's record of one) names in ``directory``.
+
+    Raises ``StoredFileError`` naming the file and ``where`` (which index line or sample, default the
+    folder's index) when the name leads outside the folder, or the file is missing, changed or unreadable.
+    """
+    from safetensors import SafetensorError
     from safetensors.torch import load
 
-    blob = (directory / entry["file"]).read_bytes()
-    if verify and hashlib.sha256(blob).hexdigest() != entry["sha256"]:
-        raise ValueError(f"{directory / entry['file']}: checksum mismatch (file changed or corrupt)")
-    return load(blob)
+    where = where or f"{directory / INDEX}, sample {entry.get('sample_id')!r} epoch {entry.get('epoch')}"
+    path = contained_file(directory, entry.get("file"), where)
+    try:
+        blob = path.read_bytes()
+    except OSError as err:
+        raise StoredFileError(f"{where}: cannot read {path} ({err.strerror or err})") from err
+    if verify and hashlib.sha256(blob).hexdigest() != entry.get("sha256"):
+        raise StoredFileError(f"{where}: {path}: checksum mismatch (file changed or corrupt)")
+    try:
+        return load(blob)
+    except SafetensorError as err:
+        raise StoredFileError(f"{where}: {path} is not a readable safetensors file ({err})") from err

@@ -8,6 +8,11 @@ sample of the finished log, the folder its outputs recorded (``ModelOutput.metad
 and, where that is another eval's folder, links the file into this eval's folder with an index
 line of its own: ``activations.load(<retried log>)`` then returns every sample, and no sample is
 generated or stored twice.
+
+A log is data that can be edited, so what it names is trusted only within bounds: a recorded folder
+must resolve below the folder holding the log or below the ``-M activations_dir`` root, and file
+names from its index must stay inside their folders (``storage.contained_file``). Anything else is
+skipped with a warning; carrying over never fails the eval.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from inspect_ai.hooks import Hooks, TaskEnd, hooks
 from inspect_ai.log import EvalLog, EvalSample
 
 from inspect_tl_vllm.specs import TAG
-from inspect_tl_vllm.storage import activations_dir_for, link_sample, read_index
+from inspect_tl_vllm.storage import StoredFileError, activations_dir_for, is_below, link_sample, read_index
 
 logger = logging.getLogger(__name__)
 PROVIDER = "tl-vllm/"
@@ -38,33 +43,62 @@ class CarryOverActivations(Hooks):
 
 def carry_over(log: EvalLog) -> int:
     """Link the activations of ``log``'s samples stored under other evals into its own folder;
-    returns how many were linked.  A sample whose file cannot be found is left out with a
-    warning (its entry would be missing anyway); the eval itself never fails here."""
+    returns how many were linked.  A sample whose file cannot be found, or whose recorded folder or
+    file name is refused, is left out with a warning (its entry would be missing anyway); the eval
+    itself never fails here."""
     if not log.location or not log.eval.model.startswith(PROVIDER):
         return 0
-    directory = activations_dir_for(log.location, log.eval.eval_id, log.eval.model_args.get("activations_dir"))
+    override = log.eval.model_args.get("activations_dir")
+    directory = activations_dir_for(log.location, log.eval.eval_id, override)
+    roots = _allowed_roots(log.location, override)
     own = {(repr(e["sample_id"]), int(e["epoch"])): e.get("sample_uuid") for e in read_index(directory)}
     indexes: dict[Path, dict[str, dict[str, Any]]] = {}
+    refused: set[Path] = set()
     linked = 0
     for sample in _samples(log):
         key = (repr(sample.id), int(sample.epoch))
         if own.get(key) == sample.uuid:
             continue
         for source in _candidates(_recorded_dirs(sample), directory):
+            if not any(is_below(source, root) for root in roots):
+                _warn_refused(sample, source, roots, refused)
+                continue
             if source not in indexes:
-                indexes[source] = {e["sample_uuid"]: e for e in read_index(source)}
+                indexes[source] = {e.get("sample_uuid"): e for e in read_index(source)}
             entry = indexes[source].get(sample.uuid)
             if entry is None or (repr(entry["sample_id"]), int(entry["epoch"])) != key:
                 continue
             try:
                 link_sample(directory, eval_id=log.eval.eval_id, source=source, entry=entry)
-            except OSError as err:
+            except (OSError, StoredFileError) as err:
                 logger.warning(f"tl-vllm: sample {sample.id!r} epoch {sample.epoch}: {err}")
                 break
             own[key] = sample.uuid
             linked += 1
             break
     return linked
+
+
+def _allowed_roots(location: str, override: str | None) -> list[Path]:
+    """Where a folder named by the log may lie: beside the log (the default place, and where logs
+    moved together keep their folders) or under the ``-M activations_dir`` root the eval ran with."""
+    roots = [Path(location).parent]
+    if override:
+        roots.append(Path(override).expanduser())
+    return roots
+
+
+def _warn_refused(sample: EvalSample, folder: Path, roots: list[Path], refused: set[Path]) -> None:
+    """Warn once per refused folder (many samples record the same one), naming the first sample."""
+    if folder in refused:
+        return
+    refused.add(folder)
+    allowed = " or ".join(str(root) for root in roots)
+    logger.warning(
+        f"tl-vllm: sample {sample.id!r} epoch {sample.epoch}: not carrying activations over from {folder}: "
+        f"a folder recorded in the log must resolve below {allowed} (other samples naming it are skipped too); "
+        "to carry them over, keep the earlier log's .activations folder beside the retried log or under that root"
+    )
 
 
 def _samples(log: EvalLog) -> Iterable[EvalSample]:
@@ -79,11 +113,13 @@ def _samples(log: EvalLog) -> Iterable[EvalSample]:
 
 def _candidates(recorded: Iterable[Path], directory: Path) -> Iterator[Path]:
     """Each recorded folder, then a folder of that name beside this one: logs moved together
-    (or a relative log dir retried from elsewhere) keep their activations."""
+    (or a relative log dir retried from elsewhere) keep their activations. A name that is empty
+    or ``..`` names no folder beside this one, so it gives no second candidate."""
     seen = {directory.resolve()}
     for folder in recorded:
-        for candidate in (folder, directory.parent / folder.name):
-            if candidate.resolve() not in seen and candidate.is_dir():
+        beside = [] if folder.name in ("", "..") else [directory.parent / folder.name]
+        for candidate in (folder, *beside):
+            if candidate.is_dir() and candidate.resolve() not in seen:  # is_dir first: a symlink loop is no dir
                 seen.add(candidate.resolve())
                 yield candidate
 
@@ -95,6 +131,6 @@ def _recorded_dirs(sample: EvalSample) -> Iterator[Path]:
     for output in outputs:
         record = ((output.metadata or {}) if output is not None else {}).get(TAG) or {}
         folder = (record.get("activations") or {}).get("dir")
-        if folder and folder not in seen:
+        if isinstance(folder, str) and folder and folder not in seen:  # a log can hold anything here
             seen.add(folder)
             yield Path(folder)
