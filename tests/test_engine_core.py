@@ -203,10 +203,10 @@ def test_reductions_match_per_token_rows(tiny_engine):
     assert bf16.activations[hook].dtype == torch.bfloat16
 
 
-def test_steering_that_touches_no_row_is_an_error(tiny_engine):
-    from inspect_tl_vllm.engine.frontend import SteeringNotApplied
+def test_steering_at_positions_the_request_cannot_reach_is_refused(tiny_engine):
+    from inspect_tl_vllm import SpecError
 
-    with pytest.raises(SteeringNotApplied, match="touched no token row"):
+    with pytest.raises(SpecError, match=r"interventions\[0\].positions: none of \[200\] lies in this request's rows"):
         tiny_engine.generate(
             PROMPTS[3],
             max_tokens=2,

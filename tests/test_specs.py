@@ -43,11 +43,66 @@ def test_bad_specs_name_the_sample_and_field(raw, fragment):
     assert fragment in str(info.value)
 
 
-def test_a_vector_whose_sum_overflows_is_still_finite_but_not_in_float32():
-    spec = parse_request_spec({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [1e308] * 2}]}, "x")
-    assert spec.interventions[0].vector == [1e308, 1e308]
+HOOK = "blocks.1.hook_resid_post"
+
+
+@pytest.mark.parametrize(
+    ("item", "message"),
+    [
+        ({"op": "scale", "positions": [2**63]}, r"positions\[0\]: 9223372036854775808 is out of range"),
+        ({"op": "scale", "positions": [0, -(10**30)]}, r"positions\[1\]: .* is out of range"),
+        ({"op": "scale", "positions": [True]}, "valid integer"),
+        ({"op": "scale", "coef": -1e30}, r"coef: -1e\+30 is out of range"),
+        ({"op": "set", "vector": [1.0, 2.0], "coef": 1e39}, "out of range"),
+        ({"op": "scale", "coef": float("nan")}, "finite"),
+        ({"op": "ablate", "vector": [1e20, 1e20]}, r"entry 0 is 1e\+20; entries lie within"),
+        ({"op": "add", "vector": [1e308, 1e308]}, "entries lie within"),
+        ({"op": "add", "vector": [0.0, float("inf"), float("-inf")]}, "entry 1 is inf"),
+        ({"op": "add", "vector": [1.0, float("nan")]}, "entry 1 is nan"),
+    ],
+)
+def test_every_numeric_field_of_an_intervention_has_a_checked_range(item, message):
+    with pytest.raises(SpecError, match=message):
+        parse_request_spec({"interventions": [{"hook": HOOK, **item}]}, "sample 3")
+
+
+def test_edges_of_the_ranges_are_accepted():
+    from inspect_tl_vllm.specs import MAX_COEF, MAX_POSITION, MAX_VECTOR_ENTRY
+
+    item = {"hook": HOOK, "vector": [MAX_VECTOR_ENTRY, -MAX_VECTOR_ENTRY], "coef": -MAX_COEF}
+    spec = parse_request_spec({"interventions": [{**item, "positions": [MAX_POSITION, -MAX_POSITION]}]}, "x")
+    assert spec.interventions[0].coef == -MAX_COEF
+    capture = parse_request_spec({"capture": {"hooks": [HOOK], "positions": [-MAX_POSITION]}}, "x").capture
+    assert capture is not None and capture.positions == [-MAX_POSITION]
+    with pytest.raises(SpecError, match="out of range"):
+        parse_request_spec({"capture": {"hooks": [HOOK], "positions": [MAX_POSITION + 1]}}, "x")
+
+
+@pytest.mark.parametrize("name", ["blocks.012.hook_resid_post", "blocks.\u0661\u0662.hook_resid_post"])
+def test_a_layer_number_has_one_spelling(name):
+    with pytest.raises(SpecError, match="Did you mean 'blocks.12.hook_resid_post'"):
+        parse_request_spec({"interventions": [{"hook": name, "op": "scale"}]}, "x")
+
+
+def test_instrument_settings_have_upper_bounds():
+    with pytest.raises(ValueError, match="max_vectors"):
+        InstrumentConfig(max_vectors=1 << 20)
+    with pytest.raises(ValueError, match="capture_bytes_per_request"):
+        InstrumentConfig(capture_bytes_per_request=1 << 50)
+
+
+def test_vector_files_out_of_range_or_not_real_are_refused(tmp_path):
+    np.save(tmp_path / "huge.npy", np.array([1.0, 1e7], dtype=np.float32))
+    with pytest.raises(SpecError, match="magnitude 1e\\+07 is out of range"):
+        load_vector(str(tmp_path / "huge.npy"), 2)
+    np.save(tmp_path / "complex.npy", np.array([1 + 2j, 3 - 1j]))
+    with pytest.raises(SpecError, match="complex128 tensor; steering vectors are real numbers"):
+        load_vector(str(tmp_path / "complex.npy"), 2)
+    torch.save(torch.tensor([1 + 1j, 0j]), tmp_path / "complex.pt")
+    with pytest.raises(SpecError, match="complex64 tensor"):
+        load_vector(str(tmp_path / "complex.pt"), 2)
     with pytest.raises(SpecError, match="beyond float32's range"):
-        load_vector(spec.interventions[0].vector, 2)
+        load_vector([3.5e38, 3.5e38], 2)  # the engine-side loader checks inline numbers on its own too
 
 
 def test_inline_vectors_become_exact_float32_tensors():
@@ -110,7 +165,7 @@ def test_vector_files_are_checked_and_never_unpickled(tmp_path):
         load_vector(str(tmp_path / "missing.npy"), 4)
 
 
-def test_vectors_beyond_the_bank_are_refused_before_upload():
+def test_the_bank_evicts_unused_vectors_and_refuses_only_when_all_are_in_use():
     from types import SimpleNamespace
 
     from inspect_tl_vllm.engine.frontend import Instrumentation
@@ -122,7 +177,19 @@ def test_vectors_beyond_the_bank_are_refused_before_upload():
         spec = {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": v} for v in vectors]}
         return front.prepare(parse_request_spec(spec, "x"), prompt_len=3, max_tokens=2)
 
-    assert front.pending_upload([steered([1.0, 0, 0, 0]), steered([0, 1.0, 0, 0])]) is not None
+    first, second = steered([1.0, 0, 0, 0]), steered([0, 1.0, 0, 0])
+    upload = front.pending_upload([first, second])
+    assert upload is not None and upload.evict == []
+    front.hold([first, second], upload)
     assert front.pending_upload([steered([1.0, 0, 0, 0])]) is None  # already there: nothing to send
+    third = steered([0, 0, 1.0, 0])
     with pytest.raises(SpecError, match="max_vectors=2"):
-        front.pending_upload([steered([0, 0, 1.0, 0])])
+        front.pending_upload([third])  # both rows are used by requests in flight
+    assert len(front.bank) == 2  # a refused upload changes nothing
+    front.release([first])
+    front.release([first])  # releasing twice counts once
+    upload = front.pending_upload([third])
+    assert upload is not None and upload.evict == [next(iter(first.vectors))]
+    front.hold([third], upload)
+    assert set(front.bank) == {*second.vectors, *third.vectors}
+    assert all(users == 1 for users in front.bank.values())

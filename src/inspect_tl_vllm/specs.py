@@ -20,9 +20,22 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 BLOCK_HOOKS = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out")
 FINAL_HOOK = "ln_final.hook_normalized"
-_BLOCK_RE = re.compile(r"^blocks\.(\d+)\.(" + "|".join(BLOCK_HOOKS) + r")$")
+# ASCII digits, no leading zeros: a name has one spelling, so it finds its site ("blocks.012..." and
+# other digit scripts would parse to a layer and then match no instrumented site).
+_BLOCK_RE = re.compile(r"^blocks\.(0|[1-9][0-9]*)\.(" + "|".join(BLOCK_HOOKS) + r")$")
 
-PositionScope = Literal["all", "prompt", "generated"] | list[int]
+MAX_POSITION = 2**31 - 1
+"""Largest position index (either sign): far beyond any model's context, well inside the int64 the
+worker computes in and the integers vLLM's request serialisation carries."""
+MAX_COEF = 1e6
+"""Largest ``|coef|``."""
+MAX_VECTOR_ENTRY = 1e6
+"""Largest ``|entry|`` of a steering vector.  With ``MAX_COEF`` a steered row stays below 1e12 per
+entry, so its squared norm (which every RMSNorm computes in float32) stays finite for any hidden
+size below 1e14 in float32 and bfloat16 engines.  A float16 engine overflows sooner (65504); the
+engine's receipts catch that: a non-finite result fails the request."""
+
+PositionScope = Literal["all", "prompt", "generated"] | list[Annotated[int, Field(strict=True)]]
 """Which token rows an intervention or capture covers: a named scope or explicit indices."""
 
 TAG = "tlvllm"
@@ -40,8 +53,9 @@ def parse_hook_point(name: str) -> tuple[int | None, str]:
     match = _BLOCK_RE.match(name)
     if match:
         return int(match.group(1)), match.group(2)[len("hook_") :]
-    layer = re.search(r"\d+", name)
-    known = [f"blocks.{layer.group(0) if layer else 0}.{hook}" for hook in BLOCK_HOOKS] + [FINAL_HOOK]
+    digits = re.search(r"\d+", name)  # any script, so that the hint spells the layer canonically
+    layer = int(digits.group(0)) if digits else 0
+    known = [f"blocks.{layer}.{hook}" for hook in BLOCK_HOOKS] + [FINAL_HOOK]
     near = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
     hint = f" Did you mean {near[0]!r}?" if near else ""
     raise SpecError(
@@ -54,8 +68,32 @@ def _check_scope(value: PositionScope) -> PositionScope:
     if isinstance(value, list):
         if not value:
             raise SpecError("positions: an empty list selects no token; use 'all', 'prompt', 'generated' or indices")
+        for i, position in enumerate(value):
+            if not -MAX_POSITION <= position <= MAX_POSITION:
+                raise SpecError(
+                    f"positions[{i}]: {position} is out of range; positions lie within +-{MAX_POSITION} "
+                    "(and must fall inside the sequence: negative ones count back from the end of the prompt)"
+                )
         if len(set(value)) != len(value):
             raise SpecError(f"positions: duplicate indices in {value}")
+    return value
+
+
+def _check_entries(value: list[float]) -> list[float]:
+    """Every entry finite and within +-MAX_VECTOR_ENTRY."""
+    if not value:
+        raise SpecError("vector: empty list")
+    # min/max run in C over thousands of entries; the slow look only finds the culprit.
+    low, high = min(value), max(value)
+    if not (math.isfinite(low) and math.isfinite(high)) or math.isnan(sum(value)):
+        bad = next(i for i, x in enumerate(value) if not math.isfinite(x))
+        raise SpecError(f"vector: entry {bad} is {value[bad]}; vectors must be finite (no NaN/inf)")
+    if max(-low, high) > MAX_VECTOR_ENTRY:
+        bad = next(i for i, x in enumerate(value) if abs(x) > MAX_VECTOR_ENTRY)
+        raise SpecError(
+            f"vector: entry {bad} is {value[bad]}; entries lie within +-{MAX_VECTOR_ENTRY:g} "
+            "(scale the vector down and raise coef instead)"
+        )
     return value
 
 
@@ -74,11 +112,13 @@ class Intervention(BaseModel):
     op: Literal["add", "scale", "set", "ablate"] = "add"
     vector: list[float] | str | None = Field(
         default=None,
-        description="Inline numbers, a file (.safetensors, .npy, .pt) as 'path' or 'path:key', "
-        "or 'sha256:<hex>' of a vector already uploaded.",
+        description=f"Inline numbers or a file (.safetensors, .npy, .pt) as 'path' or 'path:key'; "
+        f"entries finite and within +-{MAX_VECTOR_ENTRY:g}",
     )
-    coef: float = 1.0
-    positions: PositionScope = "all"
+    coef: float = Field(default=1.0, description=f"Finite, within +-{MAX_COEF:g}")
+    positions: PositionScope = Field(
+        default="all", description=f"'all', 'prompt', 'generated', or indices within +-{MAX_POSITION}"
+    )
 
     @field_validator("hook")
     @classmethod
@@ -91,6 +131,8 @@ class Intervention(BaseModel):
     def _coef(cls, value: float) -> float:
         if not math.isfinite(value):
             raise SpecError(f"coef: must be a finite number, got {value}")
+        if abs(value) > MAX_COEF:
+            raise SpecError(f"coef: {value} is out of range; |coef| is at most {MAX_COEF:g}")
         return value
 
     @field_validator("positions")
@@ -102,14 +144,7 @@ class Intervention(BaseModel):
     @classmethod
     def _vector(cls, value: list[float] | str | None) -> list[float] | str | None:
         if isinstance(value, list):
-            if not value:
-                raise SpecError("vector: empty list")
-            # A NaN or inf entry makes the sum NaN or inf; a finite sum clears every entry at once
-            # (5x faster than testing each of thousands); an overflowing sum gets the slow look.
-            if not math.isfinite(sum(value)):
-                bad = next((i for i, x in enumerate(value) if not math.isfinite(x)), None)
-                if bad is not None:
-                    raise SpecError(f"vector: entry {bad} is {value[bad]}; vectors must be finite (no NaN/inf)")
+            _check_entries(value)
         return value
 
     @model_validator(mode="after")
@@ -187,9 +222,13 @@ class InstrumentConfig(BaseModel):
     max_stack: Annotated[int, Field(ge=1, le=8)] = Field(
         default=2, description="How many interventions one request may stack at one hook point"
     )
-    max_vectors: Annotated[int, Field(ge=1)] = Field(default=256, description="Capacity of the worker's vector bank")
-    capture_bytes_per_request: Annotated[int, Field(ge=1)] = Field(
-        default=1 << 30, description="Largest capture one request may produce"
+    max_vectors: Annotated[int, Field(ge=1, le=1 << 16)] = Field(
+        default=256,
+        description="Capacity of the worker's vector bank (1..65536 rows of hidden size); vectors no live "
+        "request uses are evicted to make room",
+    )
+    capture_bytes_per_request: Annotated[int, Field(ge=1, le=1 << 40)] = Field(
+        default=1 << 30, description="Largest capture one request may produce (1 byte .. 1 TiB)"
     )
 
     @field_validator("hook_points")

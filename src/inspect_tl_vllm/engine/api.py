@@ -154,9 +154,11 @@ class Engine:
             for o, r in zip(outputs, prepared, strict=True)
             if r is not None
         ]
-        fetched = iter(
-            merge_fetched(self.llm.collective_rpc("tlvllm_fetch", args=front.fetch_args(wanted))) if wanted else []
-        )
+        try:
+            answers = self.llm.collective_rpc("tlvllm_fetch", args=front.fetch_args(wanted)) if wanted else None
+        finally:
+            front.release(prepared)
+        fetched = iter(merge_fetched(answers) if answers is not None else [])
         results = []
         for i, (out, request) in enumerate(zip(outputs, prepared, strict=True)):
             completion = out.outputs[0]
@@ -183,9 +185,11 @@ class Engine:
         """Upload the vectors these requests need that the workers lack, then add the requests."""
         from vllm import SamplingParams
 
-        blob = self.core.instrumentation.pending_upload(requests)
-        if blob is not None:
-            self.llm.collective_rpc("tlvllm_put_vectors", args=(blob,))
+        front = self.core.instrumentation
+        upload = front.pending_upload(requests)
+        if upload is not None:
+            self.llm.collective_rpc("tlvllm_put_vectors", args=(upload.blob, upload.evict))
+        front.hold(requests, upload)
         inputs = [vllm_prompt(tokens, request) for tokens, request in zip(token_lists, requests, strict=True)]
         # one fresh object per request: vLLM need not deep-copy it (and its wire spec)
         params = [SamplingParams(**sampling, **sampling_fields(request), skip_clone=True) for request in requests]
@@ -197,6 +201,7 @@ class Engine:
         if not requests:
             return
         front = self.core.instrumentation
+        front.release(requests)
         try:
             front.discard(self.llm.collective_rpc("tlvllm_fetch", args=front.discard_args(requests)))
         except Exception as err:  # the engine may be what failed

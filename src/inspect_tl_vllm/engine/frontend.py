@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import uuid
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,7 +26,8 @@ from inspect_tl_vllm.specs import TAG, InstrumentConfig, RequestSpec, SpecError
 
 
 class SteeringNotApplied(RuntimeError):
-    """A requested intervention touched no token row, or the worker refused the request."""
+    """A requested intervention or capture touched no token row, its result was not finite, or the
+    worker refused the request."""
 
 
 @dataclass
@@ -35,6 +38,15 @@ class PreparedRequest:
     cache_salt: str | None
     skip_prefix_cache: bool
     spec: RequestSpec
+    holds_vectors: bool = False  # counted among the users of its vectors in the bank (``Instrumentation.hold``)
+
+
+@dataclass
+class VectorUpload:
+    """What ``tlvllm_put_vectors`` sends: the new vectors, and the unused ones the workers drop first."""
+
+    blob: bytes
+    evict: list[str]
 
 
 @dataclass
@@ -46,7 +58,9 @@ class CaptureResult:
     positions: dict[str, list[int]] = field(default_factory=dict)
 
     def check(self, where: str = "request") -> None:
-        """Raise unless every requested intervention touched at least one row."""
+        """Raise unless every requested intervention and capture touched at least one row and
+        every result is finite: an answer is never reported as steered, or a capture as taken,
+        when it was not."""
         if self.receipt.get("error"):
             raise SteeringNotApplied(f"{where}: {self.receipt['error']}")
         for item in self.receipt.get("interventions", []):
@@ -57,6 +71,20 @@ class CaptureResult:
                 )
             if not item["fired"]:
                 raise SteeringNotApplied(f"{where}: the hook of intervention {item['label']} never ran")
+            if not math.isfinite(item["mean_norm_change"]):
+                raise SteeringNotApplied(
+                    f"{where}: intervention {item['label']} made the activations non-finite (mean norm change "
+                    f"{item['mean_norm_change']}); lower its coef or the vector's scale"
+                )
+        for hook, rows in self.receipt.get("captures", {}).items():
+            if rows == 0:
+                raise SteeringNotApplied(
+                    f"{where}: capture at {hook} selected no token row (check capture.positions against the "
+                    "prompt and the generated length)"
+                )
+        for hook, tensor in self.activations.items():
+            if not bool(torch.isfinite(tensor).all()):
+                raise SteeringNotApplied(f"{where}: the activations captured at {hook} are not finite (NaN or inf)")
 
 
 class Instrumentation:
@@ -70,7 +98,9 @@ class Instrumentation:
         self.num_layers = int(text_config.num_hidden_layers)
         self.hidden_size = int(text_config.hidden_size)
         self.sites: dict[str, Site] = build_sites(layout_for(architecture), self.num_layers, settings.hook_points)
-        self.uploaded: set[str] = set()
+        # The workers' vector bank as the front end sees it: content hash -> how many requests in
+        # flight use it, least recently used first.  Unused vectors are evicted to make room.
+        self.bank: OrderedDict[str, int] = OrderedDict()
         self.handoff = HandoffFolder()
 
     def site(self, hook: str, where: str) -> Site:
@@ -102,14 +132,15 @@ class Instrumentation:
                     f"{site.name}; boot with a larger InstrumentConfig.max_stack"
                 )
             stages[site.index] = stage + 1
+            _check_reach(item.positions, prompt_len, max_tokens, f"{where}: interventions[{i}].positions")
             key = None
             if item.vector is not None:
                 vector = load_vector(item.vector, self.hidden_size, where=f"{where}: interventions[{i}].vector")
                 if item.op == "ablate":
-                    norm = vector.norm()
+                    norm = vector.double().norm()  # float64: a float32 norm of large entries overflows
                     if norm == 0:
                         raise SpecError(f"{where}: interventions[{i}].vector: cannot ablate a zero direction")
-                    vector = vector / norm
+                    vector = (vector.double() / norm).float()
                 key = vector_hash(vector)
                 vectors[key] = vector
             steer.append(
@@ -126,6 +157,7 @@ class Instrumentation:
         capture = None
         if spec.capture is not None:
             hooks = [[h, self.site(h, f"{where}: capture.hooks").index] for h in spec.capture.hooks]
+            _check_reach(spec.capture.positions, prompt_len, max_tokens, f"{where}: capture.positions")
             if spec.capture.reduce == "none":
                 need = (prompt_len + max_tokens) * self.hidden_size * 4 * len(hooks)
                 if need > self.settings.capture_bytes_per_request:
@@ -149,24 +181,51 @@ class Instrumentation:
             salt = hashlib.sha256(json.dumps(steer, sort_keys=True).encode()).hexdigest()[:24]
         return PreparedRequest(uid, wire, vectors, salt, capture is not None, spec)
 
-    def pending_upload(self, requests: list[PreparedRequest | None]) -> bytes | None:
-        """Safetensors blob of vectors the worker has not seen yet (None if none)."""
+    def pending_upload(self, requests: list[PreparedRequest | None]) -> VectorUpload | None:
+        """The upload that gives the workers' bank every vector of ``requests`` (None: they have
+        them all).  Room is made by evicting vectors no request in flight uses, least recently
+        used first; a SpecError when even that is not enough.  Nothing changes until ``hold``."""
         from safetensors.torch import save
 
         fresh: dict[str, torch.Tensor] = {}
         for request in requests:
             if request is not None:
-                fresh.update({k: v for k, v in request.vectors.items() if k not in self.uploaded})
+                fresh.update({k: v for k, v in request.vectors.items() if k not in self.bank})
         if not fresh:
             return None
-        if len(self.uploaded) + len(fresh) > self.settings.max_vectors:
+        overflow = len(self.bank) + len(fresh) - self.settings.max_vectors
+        evict = [key for key, users in self.bank.items() if users == 0][: max(overflow, 0)]
+        if overflow > len(evict):
+            in_use = sum(1 for users in self.bank.values() if users)
             raise SpecError(
-                f"steering vectors: {len(fresh)} new vectors do not fit the engine's bank "
-                f"({len(self.uploaded)} of max_vectors={self.settings.max_vectors} rows taken); "
-                "boot with a larger InstrumentConfig.max_vectors, or reuse vectors across samples"
+                f"steering vectors: {len(fresh)} new vectors do not fit the engine's bank ({in_use} of "
+                f"max_vectors={self.settings.max_vectors} rows are used by requests in flight); boot with a "
+                "larger InstrumentConfig.max_vectors (-M max_vectors), or reuse vectors across samples"
             )
-        self.uploaded.update(fresh)
-        return save(fresh)
+        return VectorUpload(save(fresh), evict)
+
+    def hold(self, requests: list[PreparedRequest | None], upload: VectorUpload | None) -> None:
+        """Record that the workers applied ``upload`` and that ``requests`` now use their vectors
+        until ``release``."""
+        for key in upload.evict if upload is not None else ():
+            del self.bank[key]
+        for request in requests:
+            if request is None or request.holds_vectors or not request.vectors:
+                continue
+            for key in request.vectors:
+                self.bank[key] = self.bank.get(key, 0) + 1
+                self.bank.move_to_end(key)
+            request.holds_vectors = True
+
+    def release(self, requests: list[PreparedRequest | None]) -> None:
+        """``requests`` are done with their vectors (finished, fetched or aborted): once no request
+        uses a vector any more, it may be evicted."""
+        for request in requests:
+            if request is None or not request.holds_vectors:
+                continue
+            for key in request.vectors:
+                self.bank[key] -= 1
+            request.holds_vectors = False
 
     def fetch_args(self, wanted: list[list[Any]]) -> tuple[list[list[Any]], list[str]]:
         """Arguments of the ``tlvllm_fetch`` RPC for ``wanted`` ([uid, last input position] pairs)."""
@@ -195,6 +254,27 @@ class Instrumentation:
         for name in payload.get("files", []):
             activations.update(self.handoff.take(name))
         return CaptureResult(payload["receipt"], activations, payload.get("positions", {}))
+
+
+def _check_reach(scope: Any, prompt_len: int, max_tokens: int, where: str) -> None:
+    """Refuse a position scope that cannot select any row of this request.
+
+    Rows are the forward passes whose input is token ``p``: prompt positions ``0..P-1`` and
+    generated ones up to ``P + max_tokens - 2`` (the last generated token is never an input).
+    A listed scope may name positions some requests do not reach; it must reach one.
+    """
+    last = prompt_len + max(max_tokens, 1) - 2
+    if scope == "generated" and last < prompt_len:
+        raise SpecError(
+            f"{where}: 'generated' selects no row when at most {max_tokens} token is generated (the last "
+            "generated token is never an input); raise max_tokens or use 'all'"
+        )
+    if isinstance(scope, list) and not any(0 <= (p + prompt_len if p < 0 else p) <= last for p in scope):
+        raise SpecError(
+            f"{where}: none of {scope[:8]}{' ...' if len(scope) > 8 else ''} lies in this request's rows: the "
+            f"prompt has {prompt_len} tokens and at most {max_tokens} are generated, so positions run 0..{last} "
+            f"(or -{prompt_len}..-1 counting back from the end of the prompt)"
+        )
 
 
 def vllm_prompt(token_ids: list[int], request: PreparedRequest | None) -> dict[str, Any]:

@@ -58,6 +58,7 @@ class Controller:
         every_site = sorted({site.index: site for site in table.values()}.values(), key=lambda s: s.index)
         self.sites = [site for site in every_site if _holds(inner, site)]
         self.owned = {site.index for site in self.sites}
+        self.every_site = {site.index for site in every_site}
         device = next(model.parameters()).device
         self.runtime = HookRuntime(
             site_indices=sorted(self.owned),
@@ -75,7 +76,9 @@ class Controller:
             on_capture_complete=self._write_early if _early_writes() else None,
         )
         self.runner = runner
-        self.bank_rows: dict[str, int] = {}
+        self.bank_rows: dict[str, int] = {}  # vector hash -> row of the bank
+        # Unused rows, lowest last (pop() gives it); row 0 is the zero vector and never given out.
+        self.free_rows: list[int] = list(range(int(settings["max_vectors"]), 0, -1))
         self.live: dict[str, RequestState] = {}  # vLLM request id -> state, instrumented requests only
         self.results: dict[str, RequestState] = {}  # uid -> state, until fetched
         # Where this worker's own host time goes: wall time per phase, and ("..._cpu") the
@@ -141,10 +144,13 @@ class Controller:
         if not wire:
             return
         try:
-            state = plan_request(wire, request.num_prompt_tokens, self.bank_rows, self.owned)
-        except (KeyError, ValueError) as err:
-            state = RequestState(uid=wire["uid"], prompt_len=request.num_prompt_tokens, steer=[], capture=[])
-            state.error = f"instrumentation refused this request: {err}"
+            state = plan_request(
+                wire, request.num_prompt_tokens, self.bank_rows, self.every_site, self.runtime.max_stack, self.owned
+            )
+        except Exception as err:  # this request fails, alone: the step loop and every other request go on
+            uid = str(wire.get("uid", "")) if isinstance(wire, dict) else ""
+            state = RequestState(uid=uid, prompt_len=request.num_prompt_tokens, steer=[], capture=[])
+            state.error = f"instrumentation refused this request: {type(err).__name__}: {err}"
         state.req_id = req_id
         self.live[req_id] = state
         self.router.admit(state)
@@ -152,21 +158,28 @@ class Controller:
             self.results[state.uid] = state
 
     # -- RPC ------------------------------------------------------------------------------
-    def put_vectors(self, blob: bytes) -> int:
+    def put_vectors(self, blob: bytes, evict: list[str] | tuple[str, ...] = ()) -> int:
+        """Drop the ``evict``ed vectors (no live request uses them: the front end counts users),
+        then write the new ones into free rows; returns how many vectors the bank holds."""
         from safetensors.torch import load
 
+        for key in evict:
+            row = self.bank_rows.pop(key, None)
+            if row is not None:
+                self.free_rows.append(row)
         fresh = {key: vector for key, vector in load(blob).items() if key not in self.bank_rows}
         if not fresh:
             return len(self.bank_rows)
-        first = len(self.bank_rows) + 1  # row 0 is the zero vector
-        if first + len(fresh) - 1 > self.runtime.max_vectors:
+        if len(fresh) > len(self.free_rows):
             raise RuntimeError(
                 f"vector bank full: {len(self.bank_rows)} of {self.runtime.max_vectors} rows taken, "
                 f"{len(fresh)} more asked for; raise max_vectors in InstrumentConfig"
             )
+        rows = [self.free_rows.pop() for _ in fresh]
         stacked = torch.stack([vector.to(torch.float32) for vector in fresh.values()])
-        self.runtime.bank[first : first + len(fresh)].copy_(stacked)  # one copy, not one per vector
-        self.bank_rows.update({key: first + i for i, key in enumerate(fresh)})
+        bank = self.runtime.bank
+        bank[torch.tensor(rows, device=bank.device)] = stacked.to(bank.device)  # one copy, not one per vector
+        self.bank_rows.update(zip(fresh, rows, strict=True))
         return len(self.bank_rows)
 
     def fetch(self, wanted: list[list[Any]], ticket: list[str] | None = None) -> list[dict[str, Any] | None] | None:
@@ -179,7 +192,16 @@ class Controller:
         folder = shared_folder(ticket)
         states = [(self.results.pop(uid, None), int(max_pos)) for uid, max_pos in wanted]
         self.router.snapshot([state for state, _ in states if state is not None])
-        return [None if state is None else self._pack(state, max_pos, folder) for state, max_pos in states]
+        return [None if state is None else self._pack_or_fail(state, max_pos, folder) for state, max_pos in states]
+
+    def _pack_or_fail(self, state: RequestState, max_pos: int, folder: Path | None) -> dict[str, Any]:
+        """``_pack``, or a result that carries the error: one request's failure fails that request
+        only, not the fetch of the others (nor, through the RPC, the engine)."""
+        try:
+            return self._pack(state, max_pos, folder)
+        except Exception as err:
+            state.error = f"packing the results failed: {type(err).__name__}: {err}"
+            return {"uid": state.uid, "receipt": state.receipt(), "positions": {}, "tensors": b"", "files": []}
 
     def _pack(self, state: RequestState, max_pos: int, folder: Path | None) -> dict[str, Any]:
         uid = state.uid
@@ -413,8 +435,8 @@ class TLWorkerExtension:
             )
         return controller
 
-    def tlvllm_put_vectors(self, blob: bytes) -> int:
-        return self._tl_controller().put_vectors(blob)
+    def tlvllm_put_vectors(self, blob: bytes, evict: list[str] | tuple[str, ...] = ()) -> int:
+        return self._tl_controller().put_vectors(blob, evict)
 
     def tlvllm_fetch(self, wanted: list[list[Any]], ticket: list[str] | None = None) -> list[dict[str, Any] | None]:
         return self._tl_controller().fetch(wanted, ticket)

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from inspect_tl_vllm.specs import MAX_COEF, MAX_POSITION
+
 OP_STAGES = {  # op -> (mult, add, proj) as functions of coef
     "add": lambda c: (1.0, c, 0.0),
     "scale": lambda c: (c, 0.0, 0.0),
@@ -24,6 +26,7 @@ OP_STAGES = {  # op -> (mult, add, proj) as functions of coef
 }
 SCOPE_CODES = {"all": 0, "prompt": 1, "generated": 2, "listed": 3}
 POOLED = ("mean", "last", "max_norm")  # reductions computed on the device
+CAPTURE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -36,8 +39,14 @@ class Scope:
 
     @classmethod
     def resolve(cls, scope: Any, prompt_len: int) -> Scope:
+        """The scope for a request of ``prompt_len`` prompt tokens; ``ValueError`` for anything
+        that is not a scope name or a list of positions within ``MAX_POSITION``."""
         if isinstance(scope, str):
+            if scope not in SCOPE_CODES or scope == "listed":
+                raise ValueError(f"unknown position scope {scope!r}")
             return cls(scope, prompt_len)
+        if not isinstance(scope, list) or not all(type(p) is int and -MAX_POSITION <= p <= MAX_POSITION for p in scope):
+            raise ValueError(f"positions must be integers within +-{MAX_POSITION}, got {str(scope)[:80]}")
         return cls("listed", prompt_len, frozenset(p + prompt_len if p < 0 else p for p in scope))
 
     @property
@@ -205,43 +214,63 @@ def finish_pooled(state: RequestState, max_pos: int) -> dict[str, np.ndarray]:
 
 
 def plan_request(
-    wire: dict[str, Any], prompt_len: int, bank_rows: dict[str, int], owned_sites: set[int] | None = None
+    wire: dict[str, Any],
+    prompt_len: int,
+    bank_rows: dict[str, int],
+    sites: set[int],
+    max_stack: int,
+    owned_sites: set[int] | None = None,
 ) -> RequestState:
     """Turn a request's wire spec (built by the front end) into worker-side state.
 
-    ``owned_sites`` (pipeline parallel) keeps only the items at sites this worker runs.
+    The wire is checked again here, against this worker's own tables (``sites``: every hook
+    site of the engine; ``max_stack``; the vector bank): whatever reaches the per-step routing
+    must be in range, since a failure there would stop every request in the batch.  A bad wire
+    raises ``ValueError`` or ``KeyError`` for this request alone.  ``owned_sites`` (pipeline
+    parallel) keeps only the items at sites this worker runs.
     """
 
     def owned(site: int) -> bool:
         return owned_sites is None or site in owned_sites
 
     steer = []
-    for index, item in enumerate(wire.get("steer", [])):
-        site = int(item["site"])
-        if not owned(site):
-            continue
+    for index, item in enumerate(wire.get("steer") or []):
+        site, stage = _site(item["site"], sites), int(item["stage"])
+        if not 0 <= stage < max_stack:
+            raise ValueError(f"steering item {index}: stage {stage} is outside 0..{max_stack - 1}")
+        if item["op"] not in OP_STAGES:
+            raise ValueError(f"steering item {index}: unknown op {item['op']!r}")
+        coef = float(item["coef"])
+        if not abs(coef) <= MAX_COEF:
+            raise ValueError(f"steering item {index}: coef {coef} is not within +-{MAX_COEF:g}")
         vector = item.get("vector")
         if vector is not None and vector not in bank_rows:
             raise KeyError(f"vector {vector} was not uploaded to this worker")
+        scope = Scope.resolve(item["positions"], prompt_len)
+        if not owned(site):
+            continue
         bank_row = bank_rows[vector] if vector is not None else 0
-        stage_row = np.array([bank_row, *OP_STAGES[item["op"]](float(item["coef"]))], dtype=np.float32)
+        stage_row = np.array([bank_row, *OP_STAGES[item["op"]](coef)], dtype=np.float32)
         steer.append(
-            SteerItem(
-                index=index,
-                label=item["label"],
-                site=site,
-                stage=int(item["stage"]),
-                stage_row=stage_row,
-                scope=Scope.resolve(item["positions"], prompt_len),
-            )
+            SteerItem(index=index, label=str(item["label"]), site=site, stage=stage, stage_row=stage_row, scope=scope)
         )
-    state = RequestState(uid=wire["uid"], prompt_len=prompt_len, steer=steer, capture=[])
+    state = RequestState(uid=str(wire["uid"]), prompt_len=prompt_len, steer=steer, capture=[])
     cap = wire.get("capture")
     if cap:
-        state.capture = [CaptureItem(hook=name, site=int(site)) for name, site in cap["hooks"] if owned(int(site))]
+        hooks = [(str(name), _site(site, sites)) for name, site in cap["hooks"]]
+        state.capture = [CaptureItem(hook=name, site=site) for name, site in hooks if owned(site)]
         state.capture_scope = Scope.resolve(cap["positions"], prompt_len)
+        if cap["reduce"] not in (*POOLED, "none") or cap["dtype"] not in CAPTURE_DTYPES:
+            raise ValueError(f"capture: unknown reduce {cap['reduce']!r} or dtype {cap['dtype']!r}")
         state.reduce = cap["reduce"]
         state.dtype = cap["dtype"]
         state.max_bytes = int(cap["max_bytes"])
         state.handoff = cap.get("handoff")
     return state
+
+
+def _site(value: Any, sites: set[int]) -> int:
+    site = int(value)
+    if site not in sites:
+        raise ValueError(f"hook site {site} does not exist in this engine")
+    return site

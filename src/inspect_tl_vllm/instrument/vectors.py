@@ -16,11 +16,12 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from inspect_tl_vllm.specs import SpecError, parse_hook_point
+from inspect_tl_vllm.specs import MAX_VECTOR_ENTRY, SpecError, parse_hook_point
 
 
 def load_vector(ref: list[float] | str, width: int, *, where: str = "vector") -> torch.Tensor:
-    """A 1-D float32 vector of ``width`` finite entries, or a SpecError naming ``where``."""
+    """A 1-D float32 vector of ``width`` finite entries within ``MAX_VECTOR_ENTRY``, or a SpecError
+    naming ``where``."""
     vector = (_from_floats(ref, where) if isinstance(ref, list) else read_vector_file(ref, where)).squeeze()
     if vector.ndim != 1:
         raise SpecError(f"{where}: expected a 1-D vector, got shape {tuple(vector.shape)}")
@@ -31,6 +32,12 @@ def load_vector(ref: list[float] | str, width: int, *, where: str = "vector") ->
         )
     if not torch.isfinite(vector).all():
         raise SpecError(f"{where}: vector contains NaN or inf")
+    largest = float(vector.abs().max())
+    if largest > MAX_VECTOR_ENTRY:
+        raise SpecError(
+            f"{where}: an entry of magnitude {largest:g} is out of range; entries lie within "
+            f"+-{MAX_VECTOR_ENTRY:g} (scale the vector down and raise coef instead)"
+        )
     return vector.to(torch.float32).contiguous()
 
 
@@ -55,6 +62,18 @@ def split_vector_ref(ref: str) -> tuple[Path, str]:
 
 
 def read_vector_file(ref: str, where: str = "vector") -> torch.Tensor:
+    """The tensor a vector reference names, as float32; a non-real tensor is refused rather than
+    cast (casting a complex tensor silently drops its imaginary part)."""
+    tensor = _read_tensor(ref, where)
+    if not isinstance(tensor, torch.Tensor):
+        raise SpecError(f"{where}: {ref} holds a {type(tensor).__name__}, not a tensor")
+    if tensor.is_complex() or tensor.dtype == torch.bool:
+        kind = str(tensor.dtype).removeprefix("torch.")
+        raise SpecError(f"{where}: {ref} holds a {kind} tensor; steering vectors are real numbers")
+    return tensor.float()
+
+
+def _read_tensor(ref: str, where: str) -> torch.Tensor:
     path, key = split_vector_ref(ref)
     if not path.is_file():
         raise SpecError(f"{where}: vector file {str(path)!r} not found")
@@ -66,14 +85,14 @@ def read_vector_file(ref: str, where: str = "vector") -> torch.Tensor:
             tensors = load_file(str(path))
             return _pick(tensors, key, path, where)
         if suffix == ".npy":
-            return torch.from_numpy(_load_npy(path, where)).float()
+            return torch.from_numpy(_load_npy(path, where))
         if suffix in (".pt", ".pth"):
             loaded = _load_pt(path, where)
             if isinstance(loaded, dict):
                 return _pick(loaded, key, path, where)
             if not isinstance(loaded, torch.Tensor):
                 raise SpecError(f"{where}: {path} holds a {type(loaded).__name__}, not a tensor")
-            return loaded.float()
+            return loaded
     except SpecError:
         raise
     except Exception as err:  # corrupt files raise many types
@@ -111,10 +130,10 @@ def _pick(tensors: dict[str, torch.Tensor], key: str, path: Path, where: str) ->
     if key:
         if key not in tensors:
             raise SpecError(f"{where}: {path} has no tensor {key!r}; it has {sorted(tensors)}")
-        return tensors[key].float()
+        return tensors[key]
     if len(tensors) != 1:
         raise SpecError(f"{where}: {path} holds {len(tensors)} tensors {sorted(tensors)}; name one as 'path:key'")
-    return next(iter(tensors.values())).float()
+    return next(iter(tensors.values()))
 
 
 def vector_hash(vector: torch.Tensor) -> str:

@@ -192,12 +192,14 @@ class TLVLLMAPI(ModelAPI):
         """On the engine loop: upload new vectors, run the request, fetch its captures."""
         engine = core.engine
         prompt = vllm_prompt(prompt_ids, prepared)
+        front = core.instrumentation
         if prepared is not None and prepared.vectors:
             assert self.engine.upload_lock is not None
             async with self.engine.upload_lock:
-                blob = core.instrumentation.pending_upload([prepared])
-                if blob is not None:
-                    await engine.collective_rpc("tlvllm_put_vectors", args=(blob,))
+                upload = front.pending_upload([prepared])
+                if upload is not None:
+                    await engine.collective_rpc("tlvllm_put_vectors", args=(upload.blob, upload.evict))
+                front.hold([prepared], upload)
         final = None
         try:
             async for out in engine.generate(prompt, params, request_id=uuid.uuid4().hex):
@@ -210,9 +212,10 @@ class TLVLLMAPI(ModelAPI):
         if prepared is not None:
             generated = max(len(c.token_ids) for c in final.outputs)
             wanted = [[prepared.uid, max_input_position(len(prompt_ids), generated)]]
-            payload = merge_fetched(
-                await engine.collective_rpc("tlvllm_fetch", args=core.instrumentation.fetch_args(wanted))
-            )[0]
+            try:
+                payload = merge_fetched(await engine.collective_rpc("tlvllm_fetch", args=front.fetch_args(wanted)))[0]
+            finally:
+                front.release([prepared])
         return final, payload
 
     # -- results ---------------------------------------------------------------------------
@@ -301,6 +304,7 @@ async def _discard(core: Any, prepared: PreparedRequest) -> None:
     """Take back what the workers hold for a request that did not finish; a failure is logged,
     as ``Engine._discard`` logs it (the engine may be what failed)."""
     front = core.instrumentation
+    front.release([prepared])
     try:
         front.discard(await core.engine.collective_rpc("tlvllm_fetch", args=front.discard_args([prepared])))
     except Exception as err:
