@@ -130,6 +130,31 @@ def test_bad_sample_spec_names_the_sample(provider_args, tiny_llama_dir, tmp_pat
     assert "bad-one" in message and "hidden size is 64" in message
 
 
+def test_hostile_sample_specs_fail_alone_and_the_engine_keeps_serving(provider_args, tiny_llama_dir, tmp_path):
+    """Values that once killed the shared engine (an int64 overflow in the worker), wedged it (an
+    integer too large to serialise) or gave silently non-finite steering: each fails its own
+    sample with an error naming the sample and the field; the other samples finish."""
+    steer = "blocks.1.hook_resid_post"
+    hostile = {
+        "overflow": {"interventions": [{"hook": steer, "op": "scale", "positions": [2**63]}]},
+        "too-big": {"interventions": [{"hook": steer, "op": "scale", "positions": [10**30]}]},
+        "set-1e30": {"interventions": [{"hook": steer, "op": "set", "vector": [1.0] * 64, "coef": 1e30}]},
+        "ablate-huge": {"interventions": [{"hook": steer, "op": "ablate", "vector": [1e20] * 64}]},
+        "nowhere": {"capture": {"hooks": [HOOK], "positions": [5000]}},
+    }
+    fields = {"overflow": "positions[0]", "too-big": "positions[0]", "set-1e30": "coef", "ablate-huge": "vector"}
+    samples = [Sample(id=name, input=QUESTIONS[0], metadata={"tlvllm": spec}) for name, spec in hostile.items()]
+    samples += [Sample(id=f"ok{i}", input=q) for i, q in enumerate(QUESTIONS)]
+    log = run_eval(tiny_llama_dir, provider_args, samples, tmp_path, fail_on_error=False)
+    errors = {s.id: s.error.message if s.error else None for s in log.samples}
+    for name in hostile:
+        assert errors[name] is not None and f"sample '{name}'" in errors[name], errors[name]
+        assert fields.get(name, "capture.positions: none of [5000]") in errors[name], errors[name]
+    assert all(errors[f"ok{i}"] is None for i in range(len(QUESTIONS)))
+    again = run_eval(tiny_llama_dir, provider_args, [Sample(id="after", input=QUESTIONS[1])], tmp_path / "again")
+    assert again.status == "success" and again.samples[0].output.completion
+
+
 def test_cache_key_names_the_run_wide_steering(provider_args, tiny_llama_dir, tmp_path):
     from inspect_tl_vllm.provider.api import TLVLLMAPI
 
