@@ -63,7 +63,7 @@ def test_eval_steers_only_where_asked_and_stores_matching_activations(
     metas = [None, steer_meta(1), steer_meta(2), None]
     samples = [Sample(id=f"s{i}", input=q, metadata=m) for i, (q, m) in enumerate(zip(QUESTIONS, metas, strict=True))]
     log = run_eval(tiny_llama_dir, provider_args, samples, tmp_path, max_connections=4)
-    assert log.status == "success"
+    assert log.status == "success", log.error
     records = {r.sample_id: r for r in activations.load(log)}
     assert set(records) == {"s0", "s1", "s2", "s3"}
     by_id = {s.id: s for s in log.samples}

@@ -72,14 +72,17 @@ def probe_scorer(probe: str) -> Any:
     weight, bias, hook = load_probe(probe)
 
     async def score(state: TaskState, target: Target) -> Score:
-        from inspect_tl_vllm.storage import read_sample
+        from inspect_tl_vllm.provider.active import active_sample
+        from inspect_tl_vllm.storage import read_sample, recorded_dir
 
         stored = (state.output.metadata or {}).get(TAG, {}).get("activations", {})
         if "dir" not in stored:
             raise SpecError(f"probe_scorer: sample {state.sample_id!r} has no stored activations; capture {hook}")
         # The file name is data from the output's metadata: read_sample keeps it inside the folder.
         where = f"probe_scorer: sample {state.sample_id!r} epoch {state.epoch} output metadata"
-        tensors = read_sample(Path(stored["dir"]), stored, where=where)
+        active = active_sample()  # the folder is recorded relative to the log's folder
+        folder = recorded_dir(stored["dir"], active.log_location) if active is not None else Path(stored["dir"])
+        tensors = read_sample(folder, stored, where=where)
         return Score(value=probe_value(tensors, weight, bias, hook))
 
     return score

@@ -93,6 +93,19 @@ def activations_dir_for(log_location: str, eval_id: str, override: str | None) -
     return Path(base + ".activations")
 
 
+def record_dir(directory: Path, log_location: str) -> str:
+    """How output metadata names an activations folder: relative to the log's folder when it lies
+    there (the default), so that the log and its folder can move together; else absolute."""
+    folder, base = directory.resolve(), Path(log_location).resolve().parent
+    return str(folder.relative_to(base)) if folder.is_relative_to(base) else str(folder)
+
+
+def recorded_dir(recorded: str, log_location: str) -> Path:
+    """The folder that ``record_dir`` named, for the log at ``log_location``."""
+    folder = Path(recorded)
+    return folder if folder.is_absolute() else Path(log_location).parent / folder
+
+
 def sample_file_name(sample_id: Any, epoch: int) -> str:
     digest = hashlib.sha256(repr(sample_id).encode()).hexdigest()[:16]
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in str(sample_id))[:40]
@@ -179,18 +192,28 @@ def unpack_positions(packed: dict[str, int] | list[int]) -> list[int]:
     return list(packed)
 
 
-def link_sample(directory: Path, *, eval_id: str, source: Path, entry: dict[str, Any]) -> dict[str, Any]:
+def link_sample(
+    directory: Path, *, eval_id: str, source: Path, entry: dict[str, Any], sample: tuple[Any, int, str] | None = None
+) -> dict[str, Any]:
     """Add a sample file that ``source`` (an earlier eval's folder) holds to ``directory``.
 
-    ``eval-retry`` copies completed samples into the new log without running them, so their
-    activations exist only in the first log's folder. A hard link (a copy across file systems)
-    makes the new folder complete without storing the bytes twice; the new index line names
-    the new eval and where the file came from. ``entry`` comes from ``source``'s index, so its
-    file name must stay inside both folders (``UnsafePathError`` otherwise, before anything is written).
+    ``eval-retry`` copies completed samples into the new log without running them, and Inspect's
+    cache answers a sample with an output generated earlier, so their activations exist only in
+    the earlier log's folder. A hard link (a copy across file systems) makes the new folder
+    complete without storing the bytes twice; the new index line names the new eval and where
+    the file came from. ``sample`` (id, epoch, uuid) files it under the sample that reused it,
+    when that is not the one that produced it (a cache hit). ``entry`` comes from ``source``'s
+    index, so its file name must stay inside both folders (``UnsafePathError`` otherwise, before
+    anything is written).
     """
     where = f"{source / INDEX}, sample {entry.get('sample_id')!r} epoch {entry.get('epoch')}"
     origin = contained_file(source, entry.get("file"), where)
-    target = contained_file(directory, entry["file"], where)
+    owner: dict[str, Any] = {}
+    if sample is not None:
+        sample_id, epoch, sample_uuid = sample
+        owner = {"sample_id": sample_id, "epoch": epoch, "sample_uuid": sample_uuid}
+        owner["file"] = sample_file_name(sample_id, epoch)
+    target = contained_file(directory, owner.get("file", entry["file"]), where)
     tmp = directory / f".tmp-{uuid.uuid4().hex}"
     try:
         directory.mkdir(parents=True, exist_ok=True)
@@ -201,8 +224,9 @@ def link_sample(directory: Path, *, eval_id: str, source: Path, entry: dict[str,
         os.replace(tmp, target)
     except OSError as err:
         tmp.unlink(missing_ok=True)
-        raise _write_error(directory, entry["file"], err) from err
-    carried = {**entry, "eval_id": eval_id, "carried_from": {"eval_id": entry.get("eval_id"), "dir": str(source)}}
+        raise _write_error(directory, target.name, err) from err
+    carried_from = {"eval_id": entry.get("eval_id"), "dir": str(source), "file": entry["file"]}
+    carried = {**entry, **owner, "eval_id": eval_id, "carried_from": carried_from}
     _append_index(directory, carried)
     return carried
 

@@ -277,12 +277,20 @@ def _check_reach(scope: Any, prompt_len: int, max_tokens: int, where: str) -> No
         )
 
 
-def vllm_prompt(token_ids: list[int], request: PreparedRequest | None) -> dict[str, Any]:
+def vllm_prompt(token_ids: list[int], request: PreparedRequest | None, *, rendered: bool = False) -> dict[str, Any]:
     """vLLM's prompt for ``token_ids``, salted when steered so that differently steered requests
-    never share prefix-cache entries."""
+    never share prefix-cache entries.
+
+    ``rendered=True`` gives the engine input that ``AsyncLLM.generate`` takes as it is (vLLM
+    deprecates raw prompts there); ``vllm.LLM`` renders prompts itself and takes the raw form."""
+    salt = request.cache_salt if request is not None and request.cache_salt else None
+    if rendered:
+        from vllm.inputs import tokens_input
+
+        return dict(tokens_input(token_ids, cache_salt=salt))
     prompt: dict[str, Any] = {"prompt_token_ids": token_ids}
-    if request is not None and request.cache_salt:
-        prompt["cache_salt"] = request.cache_salt
+    if salt is not None:
+        prompt["cache_salt"] = salt
     return prompt
 
 

@@ -9,6 +9,7 @@ summary and the steering receipt.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
@@ -31,6 +32,7 @@ from inspect_ai.tool import ToolChoice, ToolInfo
 
 from inspect_tl_vllm.aliases import resolve_model
 from inspect_tl_vllm.engine.frontend import (
+    CaptureResult,
     PreparedRequest,
     max_input_position,
     merge_fetched,
@@ -38,13 +40,16 @@ from inspect_tl_vllm.engine.frontend import (
     vllm_prompt,
 )
 from inspect_tl_vllm.provider import carry_over as _carry_over  # noqa: F401 (registers the eval-retry hook)
+from inspect_tl_vllm.provider.active import active_sample
 from inspect_tl_vllm.provider.engine_pool import EngineThread, shared_engine
 from inspect_tl_vllm.provider.model_args import parse_model_args
+from inspect_tl_vllm.provider.sample_spec import METADATA_KEY
 from inspect_tl_vllm.specs import TAG, RequestSpec, SpecError, parse_request_spec
 
 logger = logging.getLogger(__name__)
 
 STOP_REASONS = {"stop": "stop", "length": "max_tokens", "abort": "unknown"}
+MIN_LOGPROB = -9999.0  # vLLM's OpenAI server clamps -inf to this; Inspect's vllm/ provider reports it so
 
 
 class TLVLLMAPI(ModelAPI):
@@ -95,10 +100,8 @@ class TLVLLMAPI(ModelAPI):
         tool_choice: ToolChoice,
         config: GenerateConfig,
     ) -> ModelOutput:
-        from inspect_ai.log._samples import sample_active
-
         core = await self.engine.core()
-        active = sample_active()
+        active = active_sample()
         where = f"sample {active.sample.id!r} (epoch {active.epoch})" if active else "request"
         spec = self._spec_for(active, config, where)
         prompt_ids = self._prompt_ids(input, tools)
@@ -109,42 +112,70 @@ class TLVLLMAPI(ModelAPI):
                 "shorten the input or raise -M max_model_len"
             )
         max_tokens = min(config.max_tokens or max_len, max_len - len(prompt_ids))
-        prepared = core.instrumentation.prepare(spec, prompt_len=len(prompt_ids), max_tokens=max_tokens, where=where)
-        if prepared is not None and (config.num_choices or 1) > 1:
-            raise SpecError(f"{where}: num_choices > 1 with steering or capture is not supported")
-        if prepared is not None and active is not None and spec is not None and spec.capture is not None:
+        runs = self._runs(core, spec, config, len(prompt_ids), max_tokens, where)
+        if spec is not None and spec.capture is not None and active is not None:
             self._activations_dir(active)  # fail before generation if it cannot be written
-        params = self._sampling_params(config, max_tokens, prepared)
         from vllm.v1.engine.exceptions import EngineDeadError
 
         try:
-            final, payload = await self.engine.run(lambda: self._run(core, prompt_ids, params, prepared))
+            results = await self.engine.run(lambda: self._run_all(core, prompt_ids, runs))
         except EngineDeadError as err:
             self.engine.discard(core)
             raise RuntimeError(
                 f"{where}: the vLLM engine died ({err}). Samples completed before this point kept their "
                 "activations on disk; finish the rest with `inspect eval-retry <log>` (a new engine boots)."
             ) from err
-        output = self._model_output(final, tools)
-        if prepared is not None:
-            output.metadata = {TAG: self._record(core, payload, prepared, active, where)}
+        output = self._model_output([final for final, _ in results], len(prompt_ids), tools, config)
+        prepared = [request for _, request in runs]
+        if prepared[0] is not None:
+            record = self._record(core, results[0][1], prepared[0], active, where)
+            if len(runs) > 1:  # every choice is steered and checked; the first one's capture is stored
+                record["choices"] = [record["receipt"]] + [
+                    self._checked(core, payload, f"{where} choice {i}").receipt if request is not None else {}
+                    for i, ((_, payload), request) in enumerate(zip(results[1:], prepared[1:], strict=True), 1)
+                ]
+            output.metadata = {TAG: record}
         return output
 
     # -- request building ------------------------------------------------------------------
     def _spec_for(self, active: Any, config: GenerateConfig, where: str) -> RequestSpec | None:
+        """Run-wide spec, then the sample's metadata spec (put in ``extra_body`` by the hook in
+        ``sample_spec.py``, so that Inspect's cache keys on it), then ``extra_body["tlvllm"]``."""
+        extra = config.extra_body or {}
+        if active is not None and TAG in (active.sample.metadata or {}) and METADATA_KEY not in extra:
+            raise SpecError(
+                f"{where}: Sample.metadata[{TAG!r}] did not reach the request: the tl-vllm hook "
+                "'tl_vllm_sample_steering' that carries it (and keys Inspect's cache on it) is not active"
+            )
         spec = self.settings.run_spec
-        if active is not None and active.sample.metadata and TAG in active.sample.metadata:
-            if config.cache:
-                raise SpecError(
-                    f"{where}: steering in Sample.metadata is not part of Inspect's cache key, so --cache could "
-                    "return an answer generated under other steering; attach it with the steer() solver or "
-                    f"generate(extra_body={{'{TAG}': ...}}) instead, or run without the cache"
-                )
-            spec = spec.merged(parse_request_spec(active.sample.metadata[TAG], f"{where}: metadata.{TAG}"))
-        extra = (config.extra_body or {}).get(TAG)
-        if extra is not None:
-            spec = spec.merged(parse_request_spec(extra, f"{where}: extra_body.{TAG}"))
+        if METADATA_KEY in extra:
+            spec = spec.merged(parse_request_spec(extra[METADATA_KEY], f"{where}: metadata.{TAG}"))
+        if extra.get(TAG) is not None:
+            spec = spec.merged(parse_request_spec(extra[TAG], f"{where}: extra_body.{TAG}"))
         return None if spec.empty else spec
+
+    def _runs(
+        self, core: Any, spec: RequestSpec | None, config: GenerateConfig, prompt_len: int, max_tokens: int, where: str
+    ) -> list[tuple[Any, PreparedRequest | None]]:
+        """The vLLM requests behind one call, with their sampling params.
+
+        Plain: one request with ``n = num_choices``.  Instrumented: one request per choice (the
+        worker keeps one result per request), each steered alike; only the first captures, so a
+        sample stores one set of activations.  A seed gives choice i the seed + i, as vLLM seeds
+        the children of one request."""
+        choices = config.num_choices or 1
+        front = core.instrumentation
+        if spec is None:
+            return [(self._sampling_params(config, max_tokens, None, n=choices), None)]
+        steer_only = RequestSpec(interventions=spec.interventions)
+        runs = []
+        for i in range(choices):
+            request = front.prepare(
+                spec if i == 0 else steer_only, prompt_len=prompt_len, max_tokens=max_tokens, where=where
+            )
+            seed = None if config.seed is None else config.seed + i
+            runs.append((self._sampling_params(config, max_tokens, request, n=1, seed=seed), request))
+        return runs
 
     def _prompt_ids(self, input: list[ChatMessage], tools: list[ToolInfo]) -> list[int]:
         messages = [_message_dict(m) for m in input]
@@ -166,21 +197,27 @@ class TLVLLMAPI(ModelAPI):
         )
         return list(ids)
 
-    def _sampling_params(self, config: GenerateConfig, max_tokens: int, prepared: PreparedRequest | None) -> Any:
+    def _sampling_params(
+        self,
+        config: GenerateConfig,
+        max_tokens: int,
+        prepared: PreparedRequest | None,
+        *,
+        n: int,
+        seed: int | None = None,
+    ) -> Any:
         from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
 
-        args: dict[str, Any] = {"max_tokens": max_tokens, "n": config.num_choices or 1}
-        for ours, theirs in (
-            ("temperature", "temperature"),
-            ("top_p", "top_p"),
-            ("top_k", "top_k"),
-            ("seed", "seed"),
-            ("frequency_penalty", "frequency_penalty"),
-            ("presence_penalty", "presence_penalty"),
-        ):
-            value = getattr(config, ours)
+        # FINAL_ONLY: one output with every choice (the default, cumulative, streams one child at a time)
+        args: dict[str, Any] = {"max_tokens": max_tokens, "n": n, "output_kind": RequestOutputKind.FINAL_ONLY}
+        for name in ("temperature", "top_p", "top_k", "frequency_penalty", "presence_penalty"):
+            value = getattr(config, name)
             if value is not None:
-                args[theirs] = value
+                args[name] = value
+        seed = config.seed if seed is None else seed
+        if seed is not None:
+            args["seed"] = seed
         if config.stop_seqs:
             args["stop"] = list(config.stop_seqs)
         if config.logprobs:
@@ -188,10 +225,24 @@ class TLVLLMAPI(ModelAPI):
         # A fresh object per request, as vLLM's own OpenAI server makes: it need not be deep-copied.
         return SamplingParams(**args, **sampling_fields(prepared), skip_clone=True)
 
+    async def _run_all(
+        self, core: Any, prompt_ids: list[int], runs: list[tuple[Any, PreparedRequest | None]]
+    ) -> list[tuple[Any, Any]]:
+        """Every request of one call, concurrently; the first failure is raised once all are done."""
+        if len(runs) == 1:
+            return [await self._run(core, prompt_ids, *runs[0])]
+        results = await asyncio.gather(
+            *(self._run(core, prompt_ids, params, request) for params, request in runs), return_exceptions=True
+        )
+        for result in results:
+            if isinstance(result, BaseException):
+                raise result
+        return list(results)
+
     async def _run(self, core: Any, prompt_ids: list[int], params: Any, prepared: PreparedRequest | None) -> Any:
         """On the engine loop: upload new vectors, run the request, fetch its captures."""
         engine = core.engine
-        prompt = vllm_prompt(prompt_ids, prepared)
+        prompt = vllm_prompt(prompt_ids, prepared, rendered=True)
         front = core.instrumentation
         if prepared is not None and prepared.vectors:
             assert self.engine.upload_lock is not None
@@ -219,16 +270,18 @@ class TLVLLMAPI(ModelAPI):
         return final, payload
 
     # -- results ---------------------------------------------------------------------------
-    def _model_output(self, final: Any, tools: list[ToolInfo]) -> ModelOutput:
+    def _model_output(
+        self, finals: list[Any], prompt_len: int, tools: list[ToolInfo], config: GenerateConfig
+    ) -> ModelOutput:
         choices = []
-        for completion in final.outputs:
+        for completion in (completion for final in finals for completion in final.outputs):
             message = self._assistant_message(completion.text, tools)
             stop = "tool_calls" if message.tool_calls else STOP_REASONS.get(completion.finish_reason, "unknown")
-            choices.append(ChatCompletionChoice(message=message, stop_reason=stop, logprobs=self._logprobs(completion)))
-        input_tokens = len(final.prompt_token_ids)
-        output_tokens = sum(len(c.token_ids) for c in final.outputs)
+            logprobs = self._logprobs(completion, config.top_logprobs or 0) if config.logprobs else None
+            choices.append(ChatCompletionChoice(message=message, stop_reason=stop, logprobs=logprobs))
+        output_tokens = sum(len(c.token_ids) for final in finals for c in final.outputs)
         usage = ModelUsage(
-            input_tokens=input_tokens, output_tokens=output_tokens, total_tokens=input_tokens + output_tokens
+            input_tokens=prompt_len, output_tokens=output_tokens, total_tokens=prompt_len + output_tokens
         )
         return ModelOutput(model=self.model_name, choices=choices, usage=usage)
 
@@ -239,25 +292,43 @@ class TLVLLMAPI(ModelAPI):
             return HFHandler(self.model_name).parse_assistant_response(text, tools)
         return ChatMessageAssistant(content=text, model=self.model_name, source="generate")
 
-    def _logprobs(self, completion: Any) -> Logprobs | None:
+    def _logprobs(self, completion: Any, top: int) -> Logprobs | None:
+        """Per token: the sampled token's logprob and the first ``top`` alternatives as vLLM lists
+        them (the sampled token first, then by rank), as vLLM's OpenAI server and so Inspect's
+        ``vllm/`` provider report them: exactly ``top`` entries, none when ``top`` is 0."""
         if not completion.logprobs:
             return None
         content = []
         for token_id, options in zip(completion.token_ids, completion.logprobs, strict=False):
             chosen = options[token_id]
-            top = sorted(options.values(), key=lambda lp: lp.rank or 0)
+            alternatives = list(options.items())[:top]
             content.append(
                 Logprob(
-                    token=chosen.decoded_token or self.tokenizer.decode([token_id]),
-                    logprob=chosen.logprob,
-                    top_logprobs=[TopLogprob(token=lp.decoded_token or "", logprob=lp.logprob) for lp in top],
+                    token=self._token_text(token_id, chosen),
+                    logprob=max(chosen.logprob, MIN_LOGPROB),
+                    bytes=_utf8(self._token_text(token_id, chosen)),
+                    top_logprobs=[
+                        TopLogprob(
+                            token=self._token_text(other, lp),
+                            logprob=max(lp.logprob, MIN_LOGPROB),
+                            bytes=_utf8(self._token_text(other, lp)),
+                        )
+                        for other, lp in alternatives
+                    ],
                 )
             )
         return Logprobs(content=content)
 
-    def _record(self, core: Any, payload: Any, prepared: PreparedRequest, active: Any, where: str) -> dict[str, Any]:
+    def _token_text(self, token_id: int, logprob: Any) -> str:
+        return logprob.decoded_token if logprob.decoded_token is not None else self.tokenizer.decode([token_id])
+
+    def _checked(self, core: Any, payload: Any, where: str) -> CaptureResult:
         result = core.instrumentation.decode(payload, where)
         result.check(where)  # raises: never score an unsteered answer as steered
+        return result
+
+    def _record(self, core: Any, payload: Any, prepared: PreparedRequest, active: Any, where: str) -> dict[str, Any]:
+        result = self._checked(core, payload, where)
         record: dict[str, Any] = {"receipt": result.receipt}
         if result.activations:
             summary = {
@@ -266,7 +337,7 @@ class TLVLLMAPI(ModelAPI):
             }
             record["activations"] = {"hooks": summary}
             if active is not None:
-                from inspect_tl_vllm.storage import write_sample
+                from inspect_tl_vllm.storage import record_dir, write_sample
 
                 directory = self._activations_dir(active)
                 try:
@@ -286,7 +357,8 @@ class TLVLLMAPI(ModelAPI):
                     )
                 except OSError as err:  # disk full, file size limit: fail this sample, name it
                     raise OSError(err.errno, f"{where}: {err.strerror or err}") from err
-                record["activations"].update({"dir": str(directory), "file": entry["file"], "sha256": entry["sha256"]})
+                folder = record_dir(directory, active.log_location)
+                record["activations"].update({"dir": folder, "file": entry["file"], "sha256": entry["sha256"]})
         return record
 
     def _activations_dir(self, active: Any) -> Path:
@@ -309,6 +381,10 @@ async def _discard(core: Any, prepared: PreparedRequest) -> None:
         front.discard(await core.engine.collective_rpc("tlvllm_fetch", args=front.discard_args([prepared])))
     except Exception as err:
         logger.warning(f"tl-vllm: could not release the cancelled request's results in the workers: {err}")
+
+
+def _utf8(text: str) -> list[int]:
+    return list(text.encode("utf-8", errors="replace"))
 
 
 def _message_dict(message: ChatMessage) -> dict[str, Any]:

@@ -1,13 +1,14 @@
-"""Keep a retried eval's activations folder complete.
+"""Keep an eval's activations folder complete when samples were answered without generating.
 
 ``inspect eval-retry`` (and eval sets) write a *new* log, named by a new timestamp and with a new
 eval id, and copy into it the samples that completed in the first log without running them
-again.  Their activations stay in the first log's ``.activations/`` folder, so the new log's
-folder would hold only the samples that ran again.  At task end this hook finds, for each
-sample of the finished log, the folder its outputs recorded (``ModelOutput.metadata["tlvllm"]``)
-and, where that is another eval's folder, links the file into this eval's folder with an index
-line of its own: ``activations.load(<retried log>)`` then returns every sample, and no sample is
-generated or stored twice.
+again; with ``--cache``, Inspect answers a model call with an output stored by an earlier eval
+without calling the provider.  Either way the activations stay in the earlier log's
+``.activations/`` folder, so the new log's folder would lack them.  At task end this hook finds,
+for each sample of the finished log without a file of its own, the file its outputs recorded
+(``ModelOutput.metadata["tlvllm"]["activations"]``: folder, file, sha256) and links it into this
+eval's folder under this sample, with an index line of its own: ``activations.load(<new log>)``
+then returns every sample once, and no sample is generated or stored twice.
 
 A log is data that can be edited, so what it names is trusted only within bounds: a recorded folder
 must resolve below the folder holding the log or below the ``-M activations_dir`` root, and file
@@ -26,7 +27,14 @@ from inspect_ai.hooks import Hooks, TaskEnd, hooks
 from inspect_ai.log import EvalLog, EvalSample
 
 from inspect_tl_vllm.specs import TAG
-from inspect_tl_vllm.storage import StoredFileError, activations_dir_for, is_below, link_sample, read_index
+from inspect_tl_vllm.storage import (
+    StoredFileError,
+    activations_dir_for,
+    is_below,
+    link_sample,
+    read_index,
+    recorded_dir,
+)
 
 logger = logging.getLogger(__name__)
 PROVIDER = "tl-vllm/"
@@ -34,7 +42,7 @@ PROVIDER = "tl-vllm/"
 
 @hooks(
     name="tl_vllm_activations_carry_over",
-    description="Links activations of samples that eval-retry reused from an earlier log into the new log's folder",
+    description="Links activations of samples answered by eval-retry or the cache from an earlier log's folder",
 )
 class CarryOverActivations(Hooks):
     async def on_task_end(self, data: TaskEnd) -> None:
@@ -43,40 +51,59 @@ class CarryOverActivations(Hooks):
 
 def carry_over(log: EvalLog) -> int:
     """Link the activations of ``log``'s samples stored under other evals into its own folder;
-    returns how many were linked.  A sample whose file cannot be found, or whose recorded folder or
-    file name is refused, is left out with a warning (its entry would be missing anyway); the eval
-    itself never fails here."""
+    returns how many were linked.  A sample's output names the file that holds its activations
+    (folder, file name and checksum); the index line of that file in the folder named is linked,
+    under this sample.  A sample whose file cannot be found, or whose recorded folder or file name
+    is refused, is left out with a warning (its entry would be missing anyway); the eval itself
+    never fails here."""
     if not log.location or not log.eval.model.startswith(PROVIDER):
         return 0
     override = log.eval.model_args.get("activations_dir")
     directory = activations_dir_for(log.location, log.eval.eval_id, override)
     roots = _allowed_roots(log.location, override)
     own = {(repr(e["sample_id"]), int(e["epoch"])): e.get("sample_uuid") for e in read_index(directory)}
-    indexes: dict[Path, dict[str, dict[str, Any]]] = {}
+    indexes: dict[Path, dict[tuple[Any, Any], dict[str, Any]]] = {}
     refused: set[Path] = set()
     linked = 0
     for sample in _samples(log):
         key = (repr(sample.id), int(sample.epoch))
         if own.get(key) == sample.uuid:
             continue
-        for source in _candidates(_recorded_dirs(sample), directory):
+        found = _find_stored(sample, log.location, directory, roots, indexes, refused)
+        if found is None:
+            continue
+        source, entry = found
+        try:
+            owner = (sample.id, sample.epoch, sample.uuid)
+            link_sample(directory, eval_id=log.eval.eval_id, source=source, entry=entry, sample=owner)
+        except (OSError, StoredFileError) as err:
+            logger.warning(f"tl-vllm: sample {sample.id!r} epoch {sample.epoch}: {err}")
+            continue
+        own[key] = sample.uuid
+        linked += 1
+    return linked
+
+
+def _find_stored(
+    sample: EvalSample,
+    log_location: str,
+    directory: Path,
+    roots: list[Path],
+    indexes: dict[Path, dict[tuple[Any, Any], dict[str, Any]]],
+    refused: set[Path],
+) -> tuple[Path, dict[str, Any]] | None:
+    """The folder and index entry of the file the sample's outputs name, in an allowed folder."""
+    for folder, stored in _recorded_files(sample, log_location):
+        for source in _candidates([folder], directory):
             if not any(is_below(source, root) for root in roots):
                 _warn_refused(sample, source, roots, refused)
                 continue
             if source not in indexes:
-                indexes[source] = {e.get("sample_uuid"): e for e in read_index(source)}
-            entry = indexes[source].get(sample.uuid)
-            if entry is None or (repr(entry["sample_id"]), int(entry["epoch"])) != key:
-                continue
-            try:
-                link_sample(directory, eval_id=log.eval.eval_id, source=source, entry=entry)
-            except (OSError, StoredFileError) as err:
-                logger.warning(f"tl-vllm: sample {sample.id!r} epoch {sample.epoch}: {err}")
-                break
-            own[key] = sample.uuid
-            linked += 1
-            break
-    return linked
+                indexes[source] = {(e.get("file"), e.get("sha256")): e for e in read_index(source)}
+            entry = indexes[source].get(stored)
+            if entry is not None:
+                return source, entry
+    return None
 
 
 def _allowed_roots(location: str, override: str | None) -> list[Path]:
@@ -124,13 +151,17 @@ def _candidates(recorded: Iterable[Path], directory: Path) -> Iterator[Path]:
                 yield candidate
 
 
-def _recorded_dirs(sample: EvalSample) -> Iterator[Path]:
-    """Activations folders named by the sample's final output, then by each model call."""
+def _recorded_files(sample: EvalSample, log_location: str) -> Iterator[tuple[Path, tuple[str, str]]]:
+    """(folder, (file, sha256)) of each activations file named by the sample's final output, then
+    by each of its model calls (a cached call's output names the file of the eval that made it)."""
     outputs = [sample.output, *(getattr(e, "output", None) for e in sample.events if e.event == "model")]
-    seen: set[str] = set()
+    seen: set[tuple[str, str, str]] = set()
     for output in outputs:
         record = ((output.metadata or {}) if output is not None else {}).get(TAG) or {}
-        folder = (record.get("activations") or {}).get("dir")
-        if isinstance(folder, str) and folder and folder not in seen:  # a log can hold anything here
-            seen.add(folder)
-            yield Path(folder)
+        stored = record.get("activations") or {}
+        folder, file, digest = stored.get("dir"), stored.get("file"), stored.get("sha256")
+        if not all(isinstance(part, str) and part for part in (folder, file, digest)):
+            continue  # a log can hold anything here
+        if (folder, file, digest) not in seen:
+            seen.add((folder, file, digest))
+            yield recorded_dir(folder, log_location), (file, digest)
