@@ -17,6 +17,10 @@ then only names the file.
 A worker knows it shares the host when it finds the folder's token file with the token the
 front end sent (a worker on another node, as with the Ray executor, does not) and falls back
 to sending the bytes, as it does when the folder is full.
+
+The folder is removed when its front end goes away, but a front end killed with SIGKILL
+runs no clean-up, and ``/dev/shm`` is memory.  So its name carries its owner (pid namespace
+and pid), and each new folder first removes the folders of owners that no longer exist.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import shutil
 import struct
 import tempfile
@@ -35,6 +40,8 @@ from typing import Any
 import torch
 
 TOKEN_FILE = "TOKEN"
+PREFIX = "tlvllm-handoff-"
+_OWNER = re.compile(re.escape(PREFIX) + r"(\d+)\.(\d+)-")  # pid namespace, pid
 _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 _TORCH_DTYPES = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
 _IOV_MAX = 1024  # buffers one writev takes on Linux
@@ -44,8 +51,9 @@ class HandoffFolder:
     """Front-end side: the folder, its token, and reading what workers wrote there."""
 
     def __init__(self) -> None:
-        base = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
-        self.path = Path(tempfile.mkdtemp(prefix="tlvllm-handoff-", dir=base))
+        base = Path("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
+        sweep_stale(base)
+        self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{_pid_namespace()}.{os.getpid()}-", dir=base))
         self.token = uuid.uuid4().hex
         (self.path / TOKEN_FILE).write_text(self.token)
         self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.path), True)
@@ -64,6 +72,43 @@ class HandoffFolder:
 
     def close(self) -> None:
         self._cleanup()
+
+
+def sweep_stale(base: Path) -> list[Path]:
+    """Remove the hand-off folders in ``base`` whose owner process is gone; returns them.
+
+    Only folders of this pid namespace are judged: containers that share ``/dev/shm`` (Docker's
+    ``--ipc=host``, which vLLM recommends) each number their processes from 1, so another
+    container's live front end can carry a pid that is free here.  A folder whose pid has been
+    reused by a live process stays until that process ends too.
+    """
+    namespace = _pid_namespace()
+    removed = []
+    for entry in base.glob(f"{PREFIX}*"):
+        owner = _OWNER.match(entry.name)
+        if owner is None or int(owner[1]) != namespace or _alive(int(owner[2])):
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def _pid_namespace() -> int:
+    """This process's pid namespace (its inode number), or 0 where ``/proc`` does not tell."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # no signal: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def shared_folder(ticket: list[str] | None) -> Path | None:

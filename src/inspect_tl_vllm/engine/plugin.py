@@ -1,42 +1,124 @@
 """vLLM general plugin (entry point ``vllm.general_plugins``).
 
 vLLM loads it in every process that runs vLLM code, including plain engines and servers
-that never asked for instrumentation.  It only wraps two worker methods; the wrappers act
-when the engine's ``additional_config`` carries the ``tlvllm`` key and do nothing otherwise.
+that never asked for instrumentation.  It only wraps three methods; the wrappers act when
+the engine's ``additional_config`` carries the ``tlvllm`` key and do nothing otherwise.
 
-- ``Worker.load_model``: install the hooks right after the weights load, before the memory
-  profile run that triggers torch.compile (hooks registered later never run when compiled).
+- ``Worker.load_model``: before it, start the parent watchdog (below); after it, install the
+  hooks, before the memory profile run that triggers torch.compile (hooks registered later
+  never run when compiled).
 - ``Worker.compile_or_warm_up_model``: after warm-up, check that every hook fired.
+- ``EngineCore._initialize_kv_caches``: start the parent watchdog in the engine core process.
+  It is the first engine-core method that runs after this plugin has loaded there: with the
+  ``spawn`` start method the plugin first loads inside ``EngineCore.__init__``, so wrapping
+  ``__init__`` or ``run_engine_core`` would not reach the engine core.  It runs before the
+  KV-cache profile, compilation and warm-up, the long part of a boot.
+
+The parent watchdog: a front end killed with SIGKILL (an ``inspect`` process that the OOM
+killer or a scheduler ends) runs no clean-up, and vLLM's engine core does not watch its
+parent, so the engine core and its workers (gigabytes of memory, a whole GPU) lived on,
+re-parented to init.  Each instrumented engine-core and worker process therefore ends itself
+once its parent is gone; the engine core goes first and its workers follow.
 """
 
 from __future__ import annotations
 
 import functools
+import multiprocessing
+import os
+import sys
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
+from inspect_tl_vllm.engine.config import CONFIG_KEY
+
 _MARK = "_tlvllm_wrapped"
+VLLM_PROCESS_NAMES = ("EngineCore", "VllmWorker-")
+"""``multiprocessing`` names vLLM gives its engine-core and worker processes."""
+WATCH_INTERVAL_S = 1.0
+_watchdog_lock = threading.Lock()
+_watchdog_pid: int | None = None  # the process whose watchdog runs (a forked child inherits this)
 
 
 def register() -> None:
+    from vllm.v1.engine.core import EngineCore
     from vllm.v1.worker import gpu_worker  # the CPU worker subclasses this Worker
 
     from inspect_tl_vllm.engine import worker as tl_worker
 
-    _wrap(gpu_worker.Worker, "load_model", after=tl_worker.attach)
+    _wrap(gpu_worker.Worker, "load_model", before=_watch_if_instrumented, after=tl_worker.attach)
     _wrap(gpu_worker.Worker, "compile_or_warm_up_model", after=tl_worker.verify_hooks_fired)
+    _wrap(EngineCore, "_initialize_kv_caches", before=_watch_if_instrumented)
 
 
-def _wrap(cls: type, name: str, after: Callable[[Any], None]) -> None:
+def _wrap(
+    cls: type,
+    name: str,
+    *,
+    before: Callable[[Any], None] | None = None,
+    after: Callable[[Any], None] | None = None,
+) -> None:
     original = getattr(cls, name)
     if getattr(original, _MARK, False):
         return  # plugins may load several times in one process
 
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            before(self)
         result = original(self, *args, **kwargs)
-        after(self)
+        if after is not None:
+            after(self)
         return result
 
     setattr(wrapper, _MARK, True)
     setattr(cls, name, wrapper)
+
+
+def _watch_if_instrumented(owner: Any) -> None:
+    """Start the parent watchdog if ``owner`` (a worker or engine core) serves an instrumented
+    engine; plain vLLM engines and servers keep vLLM's own behaviour."""
+    extra = getattr(owner.vllm_config, "additional_config", None)
+    if isinstance(extra, dict) and CONFIG_KEY in extra:
+        install_parent_watchdog()
+
+
+def install_parent_watchdog() -> bool:
+    """End this process once its parent process is gone; True if a watchdog runs here.
+
+    Acts only in vLLM's own engine-core and worker processes (``multiprocessing`` children
+    named as vLLM names them), never in the user's process, even when that is itself a
+    ``multiprocessing`` child (an engine built with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` loads
+    its worker there).  Safe to call any number of times: one watchdog thread per process.
+
+    The watchdog polls ``os.getppid()`` once a second: a dead parent's children are
+    re-parented (to init or a subreaper), so the value changes.  Not ``PR_SET_PDEATHSIG``,
+    which fires when the *thread* that forked exits (the provider builds its engine on a
+    private event-loop thread), nor the ``multiprocessing`` parent sentinel, a pipe whose
+    write end every later fork of the parent inherits, so it may never report the death.
+    """
+    global _watchdog_pid
+    parent = multiprocessing.parent_process()
+    if parent is None:
+        return False
+    if not multiprocessing.current_process().name.startswith(VLLM_PROCESS_NAMES):
+        return False
+    with _watchdog_lock:
+        if _watchdog_pid != os.getpid():  # a fork does not copy the parent's watchdog thread
+            watchdog = threading.Thread(target=_watch_parent, args=(parent.pid,), name="tlvllm-watchdog", daemon=True)
+            watchdog.start()
+            _watchdog_pid = os.getpid()
+    return True
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(WATCH_INTERVAL_S)
+    # No clean shutdown: vLLM's would drain requests nobody waits for, and the main thread may
+    # be blocked in a call no signal interrupts.  The kernel frees the memory and the GPU; this
+    # process's own children see it gone in turn.
+    name = multiprocessing.current_process().name
+    print(f"tl-vllm: parent process {parent_pid} of {name} (pid {os.getpid()}) is gone; exiting", file=sys.stderr)
+    os._exit(1)
