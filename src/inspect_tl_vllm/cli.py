@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+from pathlib import Path
 
 from inspect_tl_vllm.aliases import ALIASES
 
@@ -35,13 +37,13 @@ def _models(_: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from inspect_tl_vllm.demo import run
 
+    if args.save_vector:  # demo.run writes it without making its folder
+        Path(args.save_vector).parent.mkdir(parents=True, exist_ok=True)
     run(args.model, coef=args.coef, max_tokens=args.max_tokens, out_dir=args.out, save_vector=args.save_vector)
     return 0
 
 
 def _extract_vector(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from inspect_tl_vllm.engine.api import boot
     from inspect_tl_vllm.extract import extract_vectors, read_pairs, save_vectors
     from inspect_tl_vllm.specs import SpecError
@@ -62,8 +64,6 @@ def _extract_vector(args: argparse.Namespace) -> int:
 
 
 def _import_vector(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from inspect_tl_vllm.instrument.vector_import import import_vector_file
     from inspect_tl_vllm.specs import SpecError
 
@@ -118,6 +118,25 @@ def _report(args: argparse.Namespace) -> int:
     return 0
 
 
+def output_problem(path: Path, is_dir: bool) -> str | None:
+    """Why ``path`` cannot be written as an output file (or folder), or None if it can.
+
+    Checked before the command does any work: extract-vector and demo boot an engine first, so a
+    write that fails at the end would cost minutes and end in a raw traceback.
+    """
+    if path.exists():
+        if path.is_dir() != is_dir:
+            wanted = "folder" if is_dir else "file"
+            return f"is an existing {'file' if is_dir else 'folder'}; give the path of a {wanted}"
+        return None
+    for parent in path.parents:
+        if parent.is_dir():
+            return None if os.access(parent, os.W_OK) else f"cannot be created: {parent} is not writable"
+        if parent.exists():
+            return f"cannot be created: {parent} is a file, not a folder; choose another path"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["activations"]:  # its own parser: list or export a log's activations
@@ -139,13 +158,13 @@ def main(argv: list[str] | None = None) -> int:
     extract.add_argument("--reduce", default="mean", choices=["mean", "last"])
     extract.add_argument("--dtype", default="auto", help="engine dtype (vLLM's 'auto' runs fp32 models in bf16)")
     extract.add_argument("--out", required=True, help="output .safetensors (one tensor per hook point)")
-    extract.set_defaults(func=_extract_vector)
+    extract.set_defaults(func=_extract_vector, outputs={"out": False})
     imp = sub.add_parser("import-vector", help="convert a .npy/.pt/.safetensors vector or a GGUF control vector")
     imp.add_argument("src", help="vector file (FILE or FILE:KEY); a .gguf control vector gives every layer")
     imp.add_argument("--out", required=True, help="output .safetensors, one tensor per hook point")
     imp.add_argument("--hook", default=None, help="hook point of a single vector, e.g. blocks.12.hook_resid_post")
     imp.add_argument("--model", default=None, help="model the vector is for (recorded in the metadata)")
-    imp.set_defaults(func=_import_vector)
+    imp.set_defaults(func=_import_vector, outputs={"out": False})
     sweep = sub.add_parser("sweep", help="one eval per coefficient/layer/control point, one shared engine")
     sweep.add_argument("task", help="task reference, e.g. evals/steering_demo.py@steering_sweep")
     sweep.add_argument("--model", default="tl-vllm/smollm2")
@@ -156,7 +175,7 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("-M", action="append", default=[], help="model arg KEY=VALUE (repeatable)")
     sweep.add_argument("-T", action="append", default=[], help="task arg KEY=VALUE for every point (repeatable)")
     sweep.add_argument("--log-dir", default="logs/sweep")
-    sweep.set_defaults(func=_sweep)
+    sweep.set_defaults(func=_sweep, outputs={"log_dir": True})
     rep = sub.add_parser("report", help="table and PNG of score against coefficient from a sweep's logs")
     rep.add_argument("log_dir")
     rep.set_defaults(func=_report)
@@ -167,8 +186,14 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--max-tokens", type=int, default=40)
     demo.add_argument("--out", default="logs", help="directory for the captured activations")
     demo.add_argument("--save-vector", default=None, help="also save the extracted steering vector here")
-    demo.set_defaults(func=_demo)
+    demo.set_defaults(func=_demo, outputs={"out": True, "save_vector": False})
     args = parser.parse_args(argv)
+    for dest, is_dir in getattr(args, "outputs", {}).items():  # {argument: whether it names a folder}
+        value = getattr(args, dest)
+        problem = value and output_problem(Path(value), is_dir)
+        if problem:
+            print(f"{args.command}: --{dest.replace('_', '-')} {value}: {problem}", file=sys.stderr)
+            return 2
     return int(args.func(args))
 
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from inspect_tl_vllm.aliases import resolve_model
+from inspect_tl_vllm.aliases import model_config, resolve_model
 from inspect_tl_vllm.engine.config import CONFIG_KEY, additional_config
 from inspect_tl_vllm.engine.frontend import Instrumentation, check_sites_landed, merge_status
 from inspect_tl_vllm.specs import InstrumentConfig, SpecError
@@ -52,24 +52,16 @@ def check_engine_args(engine_kwargs: dict[str, Any]) -> None:
             raise SpecError(f"engine argument {name}={value!r} is not supported with instrumentation: {why}")
     extra = engine_kwargs.get("additional_config") or {}
     if CONFIG_KEY in extra:
-        raise SpecError(f"additional_config[{CONFIG_KEY!r}] is set by tl-vllm; pass InstrumentConfig instead")
+        raise SpecError(
+            f"additional_config[{CONFIG_KEY!r}] is set by tl-vllm; give the instrumentation settings as "
+            "instrument=InstrumentConfig(...) (Python) or -M hook_points/max_stack/max_vectors/"
+            "capture_bytes_per_request (Inspect) instead"
+        )
     if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):
         raise SpecError("VLLM_USE_V2_MODEL_RUNNER=1 is not supported: tl-vllm instruments vLLM's V1 model runner")
     plugins = os.environ.get("VLLM_PLUGINS")
     if plugins is not None and "inspect_tl_vllm" not in plugins.split(","):
         raise SpecError(f"VLLM_PLUGINS={plugins!r} excludes 'inspect_tl_vllm', so workers would not be instrumented")
-
-
-def load_hf_config(model_path: str) -> Any:
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(model_path)
-    except (OSError, ValueError) as err:
-        raise SpecError(
-            f"unknown model {model_path!r}: not an alias (see `tl-vllm models`), a local model directory, "
-            f"or a Hugging Face id available offline ({type(err).__name__}: {str(err).splitlines()[0]})"
-        ) from None
 
 
 def construct_instrumented_llm(
@@ -90,7 +82,7 @@ def construct_instrumented_llm(
     settings = instrument if isinstance(instrument, InstrumentConfig) else InstrumentConfig(**(instrument or {}))
     check_engine_args(engine_kwargs)
     model_path = resolve_model(model)
-    instrumentation = Instrumentation(load_hf_config(model_path), settings)
+    instrumentation = Instrumentation(model_config(model_path, model), settings)
     extra = {**(engine_kwargs.pop("additional_config", None) or {}), **additional_config(settings)}
     kwargs = {"model": model_path, "additional_config": extra, "worker_extension_cls": EXTENSION, **engine_kwargs}
     if async_engine:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inspect_tl_vllm.engine.construct import check_engine_args
 from inspect_tl_vllm.specs import InstrumentConfig, RequestSpec, SpecError, parse_request_spec
 
 ENGINE_ARGS = (
@@ -60,7 +61,7 @@ class ProviderSettings:
         spec = self.run_spec.model_dump()
         for item in spec["interventions"]:
             vector = item.get("vector")
-            if isinstance(vector, str) and not vector.startswith("sha256:"):
+            if isinstance(vector, str):
                 from inspect_tl_vllm.instrument.vectors import split_vector_ref
 
                 path, key = split_vector_ref(vector)
@@ -97,7 +98,7 @@ def _relative_vectors(spec: Any, base: Path) -> Any:
     if isinstance(spec, dict):
         for item in spec.get("interventions") or []:
             vector = item.get("vector") if isinstance(item, dict) else None
-            if isinstance(vector, str) and not vector.startswith("sha256:") and not Path(vector).is_absolute():
+            if isinstance(vector, str) and not Path(vector).is_absolute():
                 item["vector"] = str(base / vector)
     return spec
 
@@ -122,6 +123,7 @@ def parse_model_args(args: dict[str, Any]) -> ProviderSettings:
         if not isinstance(extra, dict):
             raise SpecError("-M engine_args: must be a JSON object of vLLM engine arguments")
         engine.update(extra)
+    check_engine_args(engine)  # here, not only at the boot: a lazy boot fails at the first sample
     instrument_raw = {k: args[k] for k in INSTRUMENT_ARGS if k in args}
     if "hook_points" in instrument_raw:
         instrument_raw["hook_points"] = _as_list(instrument_raw["hook_points"])
