@@ -366,3 +366,95 @@ def test_engine_death_fails_samples_clearly_and_the_next_eval_recovers(provider_
     assert [r.sample_id for r in activations.load(first)] == ["before"]  # completed work stays on disk
     after = run_eval(tiny_llama_dir, provider_args, [Sample(id="after", input=QUESTIONS[1])], tmp_path / "c")
     assert after.status == "success" and after.samples[0].output.completion
+
+
+def test_cache_keys_on_metadata_steering_and_keeps_activations(provider_args, tiny_llama_dir, tmp_path, monkeypatch):
+    """Inspect answers a cache hit before the provider is called.  An unsteered run fills the cache;
+    the same samples with metadata steering must not be answered from it, and every run, served
+    from the cache or not, has each sample's activations in its own log's folder (the runs share
+    a log dir, as a user's runs do: a cached output names its file relative to that folder)."""
+    from inspect_tl_vllm import activations
+
+    monkeypatch.setenv("INSPECT_CACHE_DIR", str(tmp_path / "cache"))
+    questions = QUESTIONS[:3]
+
+    def run(meta: dict | None):
+        task = Task(
+            dataset=[Sample(id=f"s{i}", input=q, metadata=meta) for i, q in enumerate(questions)],
+            solver=generate(cache=True),
+            config=GenerateConfig(max_tokens=8, temperature=0.0),
+        )
+        log = eval(
+            task,
+            model=f"tl-vllm/{tiny_llama_dir}",
+            model_args=provider_args,
+            log_dir=str(tmp_path / "logs"),
+            display="none",
+        )[0]
+        assert log.status == "success", log.error
+        modes = {s.id: [e.cache for e in s.events if e.event == "model"] for s in log.samples}
+        stored = {r.sample_id: r.activations[HOOK] for r in activations.load(log)}
+        assert sorted(stored) == [f"s{i}" for i in range(len(questions))], "a sample's activations are missing"
+        return log, modes, stored
+
+    plain, modes, plain_rows = run(None)
+    assert all(mode == ["write"] for mode in modes.values())
+    texts = {s.id: s.output.completion for s in plain.samples}
+    for attempt in (1, 2):
+        steered, modes, rows = run(steer_meta(1))
+        assert all(mode == ["write" if attempt == 1 else "read"] for mode in modes.values()), modes
+        for sample in steered.samples:
+            assert sample.output.metadata["tlvllm"]["receipt"]["interventions"][0]["rows"] > 0
+            assert sample.output.completion != texts[sample.id], "a steered sample got the unsteered answer"
+        if attempt == 1:
+            first_steered = rows
+        assert all(torch.equal(rows[key], first_steered[key]) for key in rows)
+    for _ in range(2):  # the unsteered run again: answered from the cache, activations still complete
+        again, modes, rows = run(None)
+        assert all(mode == ["read"] for mode in modes.values())
+        assert {s.id: s.output.completion for s in again.samples} == texts
+        assert all(torch.equal(rows[key], plain_rows[key]) for key in rows)
+        directory = Path(again.location).with_suffix(".activations")
+        lines = (directory / "index.jsonl").read_text().splitlines()
+        assert len(lines) == len(questions)  # linked once each, not generated
+        assert all('"carried_from"' in line for line in lines)
+
+
+def test_num_choices_returns_every_choice_with_and_without_instrumentation(provider_args, tiny_llama_dir, tmp_path):
+    from inspect_tl_vllm import activations
+
+    plain_args = {k: v for k, v in provider_args.items() if not k.startswith("capture")}
+    sampling = {"num_choices": 3, "temperature": 1.0, "seed": 7, "logprobs": True}
+    log = run_eval(tiny_llama_dir, plain_args, [Sample(id="a", input=QUESTIONS[0])], tmp_path / "plain", **sampling)
+    output = log.samples[0].output
+    assert len(output.choices) == 3
+    assert len({choice.message.text for choice in output.choices}) > 1, "the choices are not independent samples"
+    for choice in output.choices:
+        assert choice.stop_reason in ("stop", "max_tokens") and choice.logprobs is not None
+    assert output.usage.output_tokens == sum(len(c.logprobs.content) for c in output.choices)
+
+    sample = Sample(id="b", input=QUESTIONS[0], metadata=steer_meta(3))
+    log = run_eval(tiny_llama_dir, provider_args, [sample], tmp_path / "steered", **{**sampling, "num_choices": 2})
+    output = log.samples[0].output
+    assert len(output.choices) == 2
+    receipts = output.metadata["tlvllm"]["choices"]
+    assert len(receipts) == 2 and all(r["interventions"][0]["rows"] > 0 for r in receipts)
+    records = activations.load(log)
+    assert len(records) == 1 and records[0].activations[HOOK].shape[0] == len(records[0].positions[HOOK])
+
+
+def test_logprobs_have_exactly_top_logprobs_entries_as_vllm_serves_them(provider_args, tiny_llama_dir, tmp_path):
+    """As Inspect's vllm/ provider reports them (vLLM's OpenAI server): top_logprobs=k gives k
+    entries per token, the sampled token first, even at temperature 1 where it is often not among
+    the k most likely; logprobs without top_logprobs gives none."""
+    plain_args = {k: v for k, v in provider_args.items() if not k.startswith("capture")}
+    question = [Sample(id="a", input=QUESTIONS[1])]
+    config = {"temperature": 1.0, "seed": 11, "max_tokens": 8, "logprobs": True}
+    log = run_eval(tiny_llama_dir, plain_args, question, tmp_path / "top3", **config, top_logprobs=3)
+    content = log.samples[0].output.choices[0].logprobs.content
+    assert content and all(len(token.top_logprobs) == 3 for token in content)
+    assert all(token.top_logprobs[0].token == token.token for token in content)
+    assert all(token.bytes == list(token.token.encode()) for token in content)
+    log = run_eval(tiny_llama_dir, plain_args, question, tmp_path / "none", **config)
+    content = log.samples[0].output.choices[0].logprobs.content
+    assert content and all(token.top_logprobs == [] for token in content)

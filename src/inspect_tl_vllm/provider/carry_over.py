@@ -64,6 +64,7 @@ def carry_over(log: EvalLog) -> int:
     own = {(repr(e["sample_id"]), int(e["epoch"])): e.get("sample_uuid") for e in read_index(directory)}
     indexes: dict[Path, dict[tuple[Any, Any], dict[str, Any]]] = {}
     refused: set[Path] = set()
+    missing: list[str] = []
     linked = 0
     for sample in _samples(log):
         key = (repr(sample.id), int(sample.epoch))
@@ -71,6 +72,7 @@ def carry_over(log: EvalLog) -> int:
             continue
         found = _find_stored(sample, log.location, directory, roots, indexes, refused)
         if found is None:
+            missing += [f"sample {sample.id!r} epoch {sample.epoch}"] if _recorded_files(sample, log.location) else []
             continue
         source, entry = found
         try:
@@ -81,6 +83,13 @@ def carry_over(log: EvalLog) -> int:
             continue
         own[key] = sample.uuid
         linked += 1
+    if missing:
+        logger.warning(
+            f"tl-vllm: {len(missing)} samples answered from an earlier eval (eval-retry or the cache) name "
+            f"activations that were not found where this log allows ({', '.join(missing[:3])}"
+            f"{', ...' if len(missing) > 3 else ''}); they are left out of {directory}. Keep the logs of runs "
+            "that reuse each other in one log dir, or use one -M activations_dir"
+        )
     return linked
 
 
@@ -151,11 +160,12 @@ def _candidates(recorded: Iterable[Path], directory: Path) -> Iterator[Path]:
                 yield candidate
 
 
-def _recorded_files(sample: EvalSample, log_location: str) -> Iterator[tuple[Path, tuple[str, str]]]:
+def _recorded_files(sample: EvalSample, log_location: str) -> list[tuple[Path, tuple[str, str]]]:
     """(folder, (file, sha256)) of each activations file named by the sample's final output, then
     by each of its model calls (a cached call's output names the file of the eval that made it)."""
     outputs = [sample.output, *(getattr(e, "output", None) for e in sample.events if e.event == "model")]
     seen: set[tuple[str, str, str]] = set()
+    files = []
     for output in outputs:
         record = ((output.metadata or {}) if output is not None else {}).get(TAG) or {}
         stored = record.get("activations") or {}
@@ -164,4 +174,5 @@ def _recorded_files(sample: EvalSample, log_location: str) -> Iterator[tuple[Pat
             continue  # a log can hold anything here
         if (folder, file, digest) not in seen:
             seen.add((folder, file, digest))
-            yield recorded_dir(folder, log_location), (file, digest)
+            files.append((recorded_dir(folder, log_location), (file, digest)))
+    return files
