@@ -138,10 +138,11 @@ def test_link_sample_refuses_a_destination_symlink_leading_out(tmp_path, victim)
 # -- carry_over (eval-retry) ---------------------------------------------------------------------
 
 
-def retried_log(log_dir: Path, recorded_dir: str, model_args: dict | None = None) -> EvalLog:
-    """A finished retry log, written and read back, whose reused sample ``s`` names ``recorded_dir``."""
+def retried_log(log_dir: Path, recorded_dir: str, model_args: dict | None = None, *, stored: dict) -> EvalLog:
+    """A finished retry log, written and read back, whose reused sample ``s`` names ``recorded_dir``
+    and the file (name and sha256) of ``stored``, the index entry its output recorded."""
     output = ModelOutput.from_content("tl-vllm/tiny", "answer")
-    output.metadata = {TAG: {"activations": {"dir": recorded_dir}}}
+    output.metadata = {TAG: {"activations": {"dir": recorded_dir, "file": stored["file"], "sha256": stored["sha256"]}}}
     spec = EvalSpec(
         created="2026-01-01T00:00:00+00:00",
         task="t",
@@ -161,15 +162,17 @@ def retried_log(log_dir: Path, recorded_dir: str, model_args: dict | None = None
 def test_carry_over_uses_recorded_folders_only_below_the_log_folder_or_activations_dir(tmp_path, caplog):
     """A genuine file in a folder elsewhere is not taken; the same under ``-M activations_dir`` is."""
     elsewhere = tmp_path / "elsewhere" / "E1"
-    store(elsewhere)
-    log = retried_log(tmp_path / "logs", str(elsewhere))
+    entry = store(elsewhere)
+    log = retried_log(tmp_path / "logs", str(elsewhere), stored=entry)
     with caplog.at_level(logging.WARNING, logger="inspect_tl_vllm"):
         assert carry_over(log) == 0
     assert not (tmp_path / "logs" / "retry.activations").exists()
     assert f"sample 's' epoch 1: not carrying activations over from {elsewhere}" in caplog.text
     assert "must resolve below" in caplog.text
 
-    allowed = retried_log(tmp_path / "logs", str(elsewhere), {"activations_dir": str(tmp_path / "elsewhere")})
+    allowed = retried_log(
+        tmp_path / "logs", str(elsewhere), {"activations_dir": str(tmp_path / "elsewhere")}, stored=entry
+    )
     assert carry_over(allowed) == 1
     assert read_index(tmp_path / "elsewhere" / "E2")[0]["carried_from"]["eval_id"] == "E1"
 
@@ -179,10 +182,11 @@ def test_carry_over_refuses_index_names_leading_out_and_touches_nothing(tmp_path
     from there it reaches a payload, from the new folder the victim."""
     source = tmp_path / "logs" / "deep" / "old.activations"
     entry = store(source)
-    append_line(source, {**entry, "file": "../../victim"})
+    hostile = {**entry, "file": "../../victim"}  # an edited index line, and a log edited to name it
+    append_line(source, hostile)
     (tmp_path / "logs" / "victim").write_bytes(b"evil")
     before = victim.stat()
-    log = retried_log(tmp_path / "logs", str(source))
+    log = retried_log(tmp_path / "logs", str(source), stored=hostile)
     with caplog.at_level(logging.WARNING, logger="inspect_tl_vllm"):
         assert carry_over(log) == 0
     assert_untouched(victim, before)
@@ -194,8 +198,8 @@ def test_carry_over_refuses_a_dotdot_folder_name(tmp_path, caplog):
     """``logs/sub/..`` is the log folder itself, and a folder named ``..`` beside the new one is the
     log folder's parent: neither may serve as a source, though the parent holds a genuine index."""
     (tmp_path / "logs" / "sub").mkdir(parents=True)
-    store(tmp_path)
-    log = retried_log(tmp_path / "logs", str(tmp_path / "logs" / "sub" / ".."))
+    entry = store(tmp_path)
+    log = retried_log(tmp_path / "logs", str(tmp_path / "logs" / "sub" / ".."), stored=entry)
     with caplog.at_level(logging.WARNING, logger="inspect_tl_vllm"):
         assert carry_over(log) == 0
     assert read_index(tmp_path / "logs" / "retry.activations") == []

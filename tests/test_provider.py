@@ -458,3 +458,29 @@ def test_logprobs_have_exactly_top_logprobs_entries_as_vllm_serves_them(provider
     log = run_eval(tiny_llama_dir, plain_args, question, tmp_path / "none", **config)
     content = log.samples[0].output.choices[0].logprobs.content
     assert content and all(token.top_logprobs == [] for token in content)
+
+
+def test_sample_times_exclude_a_lazy_boot_and_many_samples_run_at_once(provider_args, tiny_llama_dir, tmp_path):
+    """The first samples of a lazily booted engine waited for the boot; their ModelOutput.time is
+    their own generation (the log's model call records it).  Unless told otherwise, the provider
+    runs DEFAULT_CONNECTIONS samples at once instead of Inspect's adaptive 20 to 100."""
+    from inspect_ai.model import get_model
+
+    from inspect_tl_vllm.provider import engine_pool
+    from inspect_tl_vllm.provider.api import DEFAULT_CONNECTIONS
+
+    args = {**provider_args, "max_num_seqs": 5}  # an engine of its own, booted by the eval
+    assert get_model(f"tl-vllm/{tiny_llama_dir}", **args).config.max_connections == DEFAULT_CONNECTIONS
+    chosen = get_model(f"tl-vllm/{tiny_llama_dir}", config=GenerateConfig(max_connections=3), **args)
+    assert chosen.config.max_connections == 3
+    log = run_eval(tiny_llama_dir, args, [Sample(id=f"s{i}", input=q) for i, q in enumerate(QUESTIONS)], tmp_path)
+    key = [k for k, engine in engine_pool._ENGINES.items() if engine.boots and '"max_num_seqs": 5' in k][0]
+    engine = engine_pool._ENGINES.pop(key)
+    try:
+        assert engine.boot_seconds > 1.0
+        for sample in log.samples:
+            assert sample.output.time < engine.boot_seconds / 2, (sample.output.time, engine.boot_seconds)
+            call = next(e for e in sample.events if e.event == "model").call
+            assert call is not None and call.time == sample.output.time and call.request["prompt_tokens"] > 0
+    finally:
+        engine.close()

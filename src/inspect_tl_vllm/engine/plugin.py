@@ -48,9 +48,24 @@ def register() -> None:
 
     from inspect_tl_vllm.engine import worker as tl_worker
 
+    _quiet_cpu_shutdown()
     _wrap(gpu_worker.Worker, "load_model", before=_watch_if_instrumented, after=tl_worker.attach)
     _wrap(gpu_worker.Worker, "compile_or_warm_up_model", after=tl_worker.verify_hooks_fired)
     _wrap(EngineCore, "_initialize_kv_caches", before=_watch_if_instrumented)
+
+
+def _quiet_cpu_shutdown() -> None:
+    """Make ``torch.accelerator.synchronize`` a no-op where it can only fail: vLLM's CPU build
+    running on PyPI's torch, a CUDA build (how ``scripts/setup.sh`` installs it, since PyPI
+    serves no ``+cpu`` torch), on a machine without a driver.  torch then names CUDA the
+    accelerator, and vLLM's worker shutdown (``GPUModelRunner._cleanup_profiling_kv_cache``)
+    synchronizes it, printing a "Found no NVIDIA driver" traceback at every exit.  On the CPU
+    there is nothing to synchronize."""
+    import torch
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu() and torch.version.cuda is not None and not torch.cuda.is_available():
+        torch.accelerator.synchronize = lambda device=None: None
 
 
 def _wrap(

@@ -24,6 +24,7 @@ from inspect_ai.model import (
     Logprob,
     Logprobs,
     ModelAPI,
+    ModelCall,
     ModelOutput,
     ModelUsage,
     TopLogprob,
@@ -49,6 +50,9 @@ from inspect_tl_vllm.specs import TAG, RequestSpec, SpecError, parse_request_spe
 logger = logging.getLogger(__name__)
 
 STOP_REASONS = {"stop": "stop", "length": "max_tokens", "abort": "unknown"}
+DEFAULT_CONNECTIONS = 256
+"""Samples in flight unless ``--max-connections`` or adaptive connections say otherwise: twice vLLM's
+default ``max_num_seqs`` (128), so that requests wait in vLLM's queue, not in Inspect's."""
 MIN_LOGPROB = -9999.0  # vLLM's OpenAI server clamps -inf to this; Inspect's vllm/ provider reports it so
 
 
@@ -62,6 +66,11 @@ class TLVLLMAPI(ModelAPI):
         **model_args: Any,
     ) -> None:
         super().__init__(model_name=model_name, base_url=base_url, api_key=api_key, config=config)
+        if config.max_connections is None and config.adaptive_connections is None:
+            # Inspect's default, adaptive concurrency, starts at 20 samples in flight, grows to 100,
+            # and never reads max_connections(); continuous batching wants the scheduler kept full.
+            # ``config`` is the Model's own, which Inspect's sample limit also reads.
+            config.max_connections = DEFAULT_CONNECTIONS
         from inspect_tl_vllm.engine.api import cpu_defaults
 
         self.settings = parse_model_args(model_args)
@@ -75,9 +84,7 @@ class TLVLLMAPI(ModelAPI):
             lambda: EngineThread(self.model_path, self.settings.instrument, engine_kwargs),
         )
         if self.settings.boot == "eager" and not self.engine.booted:
-            started = time.perf_counter()
             self.engine.boot_now()
-            logger.info(f"tl-vllm: engine for {model_name} ready in {time.perf_counter() - started:.0f} s")
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -88,7 +95,7 @@ class TLVLLMAPI(ModelAPI):
         self._writable_dirs: set[Path] = set()
 
     def max_connections(self) -> int:
-        return 64  # continuous batching: many samples in flight at once
+        return DEFAULT_CONNECTIONS  # continuous batching: many samples in flight at once
 
     def max_tokens(self) -> int | None:
         return None
@@ -99,7 +106,7 @@ class TLVLLMAPI(ModelAPI):
         tools: list[ToolInfo],
         tool_choice: ToolChoice,
         config: GenerateConfig,
-    ) -> ModelOutput:
+    ) -> tuple[ModelOutput, ModelCall]:
         core = await self.engine.core()
         active = active_sample()
         where = f"sample {active.sample.id!r} (epoch {active.epoch})" if active else "request"
@@ -117,6 +124,7 @@ class TLVLLMAPI(ModelAPI):
             self._activations_dir(active)  # fail before generation if it cannot be written
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        started = time.perf_counter()  # after the boot: a sample's time is its own generation
         try:
             results = await self.engine.run(lambda: self._run_all(core, prompt_ids, runs))
         except EngineDeadError as err:
@@ -135,7 +143,16 @@ class TLVLLMAPI(ModelAPI):
                     for i, ((_, payload), request) in enumerate(zip(results[1:], prepared[1:], strict=True), 1)
                 ]
             output.metadata = {TAG: record}
-        return output
+        call = ModelCall.create(
+            request={
+                "prompt_tokens": len(prompt_ids),
+                "sampling": [_sampling_summary(params) for params, _ in runs],
+                "instrumented": prepared[0] is not None,
+            },
+            response={"finish_reasons": [choice.stop_reason for choice in output.choices]},
+            time=time.perf_counter() - started,
+        )
+        return output, call
 
     # -- request building ------------------------------------------------------------------
     def _spec_for(self, active: Any, config: GenerateConfig, where: str) -> RequestSpec | None:
@@ -381,6 +398,12 @@ async def _discard(core: Any, prepared: PreparedRequest) -> None:
         front.discard(await core.engine.collective_rpc("tlvllm_fetch", args=front.discard_args([prepared])))
     except Exception as err:
         logger.warning(f"tl-vllm: could not release the cancelled request's results in the workers: {err}")
+
+
+def _sampling_summary(params: Any) -> dict[str, Any]:
+    """The sampling parameters a request ran with, as the log's model call records them."""
+    fields = ("n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs")
+    return {name: getattr(params, name) for name in fields}
 
 
 def _utf8(text: str) -> list[int]:

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import logging
 import threading
+import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -21,6 +23,7 @@ from inspect_tl_vllm.engine.frontend import check_sites_landed, merge_status
 from inspect_tl_vllm.specs import InstrumentConfig
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 class EngineThread:
@@ -38,6 +41,7 @@ class EngineThread:
         self._boot_lock = asyncio.Lock()  # concurrent first requests must boot one engine, not one each
         self._tasks: set[asyncio.Task] = set()  # background work on the engine loop, kept referenced
         self.boots = 0
+        self.boot_seconds = 0.0  # of the last boot; samples' times exclude it
 
     @property
     def booted(self) -> bool:
@@ -65,6 +69,7 @@ class EngineThread:
             if self._core is not None:
                 return
             self.boots += 1
+            started = time.perf_counter()
             core = construct_instrumented_llm(
                 self._model, instrument=self._instrument, async_engine=True, **self._kwargs
             )
@@ -77,6 +82,8 @@ class EngineThread:
                 raise
             self._core = core
             self.upload_lock = asyncio.Lock()
+            self.boot_seconds = time.perf_counter() - started
+            logger.info(f"tl-vllm: engine for {self._model} booted in {self.boot_seconds:.1f} s")
 
     def boot_now(self) -> None:
         """Boot from synchronous code and wait (``-M boot=eager``: errors before the eval starts)."""
