@@ -14,7 +14,6 @@ if ! { command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; }
   ARGS+=(-M enforce_eager=true -M dtype=float32 -M max_model_len=1024)
   export TORCH_COMPILE_DISABLE=1  # CPU: skip minutes of C++ compilation
   echo "demo: no GPU, running on vLLM's CPU build (eager, fp32)"
-  echo "demo: at exit vLLM's CPU worker prints a 'Found no NVIDIA driver' traceback; it is harmless (README, known noise)"
 fi
 echo "demo: inspect eval evals/steering_demo.py@steering_demo --model tl-vllm/smollm2 ${ARGS[*]} --log-dir $LOG_DIR $*"
 inspect eval evals/steering_demo.py@steering_demo --model tl-vllm/smollm2 "${ARGS[@]}" --log-dir "$LOG_DIR" --display plain "$@"

@@ -7,6 +7,7 @@ point (a lazily booted engine would otherwise fail at the first sample, after th
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,37 @@ def test_sha256_vector_form_is_gone_and_reads_as_a_path(tmp_path: Path) -> None:
     assert vector == str(tmp_path / "sha256:0123abcd")  # relative to the spec file, like any vector path
     with pytest.raises(SpecError, match=f"vector file '{tmp_path / 'sha256'}' not found"):
         read_vector_file(vector)
+
+
+@pytest.mark.parametrize(("package", "extra"), [("pyarrow", "parquet"), ("matplotlib", "report")])
+def test_a_feature_whose_extra_is_missing_names_the_extra(monkeypatch, tmp_path, package, extra):
+    from inspect_tl_vllm import activations, sweep
+
+    monkeypatch.setitem(sys.modules, package, None)  # as if not installed: importing it raises ImportError
+    with pytest.raises(
+        ImportError, match=rf"needs {package}, which is not installed: pip install 'inspect-tl-vllm\[{extra}\]'"
+    ):
+        if package == "pyarrow":
+            activations.export_parquet([], tmp_path / "acts.parquet")
+        else:
+            sweep._plot([], tmp_path / "report.png")
+
+
+def test_an_unsupported_vllm_is_left_untouched_and_refused_at_construction(monkeypatch):
+    from vllm.v1.worker import gpu_worker
+
+    from inspect_tl_vllm.engine import plugin
+    from inspect_tl_vllm.engine.construct import construct_instrumented_llm
+
+    def load_model(self):  # an unwrapped method: register() would wrap it for a supported vLLM
+        return None
+
+    monkeypatch.setattr(gpu_worker.Worker, "load_model", load_model)
+    monkeypatch.setattr(plugin, "SUPPORTED_VLLM", ("0.0.1",))
+    plugin.register()
+    assert gpu_worker.Worker.load_model is load_model
+    with pytest.raises(RuntimeError, match=r"tl-vllm supports vLLM 0\.0\.1, but vLLM 0\.20\.2 is installed"):
+        construct_instrumented_llm("smollm2")
+    monkeypatch.setattr(plugin, "SUPPORTED_VLLM", ("0.20.2",))
+    plugin.register()
+    assert gpu_worker.Worker.load_model is not load_model  # the check above could fail

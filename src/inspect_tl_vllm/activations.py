@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from inspect_tl_vllm.extras import require
 from inspect_tl_vllm.storage import (
     INDEX,
     StoredFileError,
@@ -114,8 +115,8 @@ def export_parquet(records: list[SampleActivations], path: str | Path) -> int:
     for files written before positions were stored, the row's index within the capture; null for
     captures reduced per sample), one ``score_<name>`` column per scorer, and ``vector`` (fixed-size
     list of float32)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    pa = require("pyarrow", "the Parquet export")
+    pq = require("pyarrow.parquet", "the Parquet export")
 
     blocks = list(_parquet_blocks(records))
     widths = {rows.shape[1] for _, _, rows, _ in blocks}
@@ -156,8 +157,7 @@ def _arrow_column(values: list[Any]) -> Any:
     """Values of one kind keep their Arrow type; mixed kinds (say 'C' and 0.5) become JSON text."""
     import json
 
-    import pyarrow as pa
-
+    pa = require("pyarrow", "the Parquet export")
     try:
         return pa.array(values)
     except (pa.ArrowInvalid, pa.ArrowTypeError):

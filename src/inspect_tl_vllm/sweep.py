@@ -127,10 +127,10 @@ def report(log_dir: str) -> tuple[str, Path]:
 
 
 def _plot(points: list[Point], path: Path) -> None:
-    import matplotlib
+    from inspect_tl_vllm.extras import require
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    require("matplotlib", "the sweep report's plot").use("Agg")
+    plt = require("matplotlib.pyplot", "the sweep report's plot")
 
     fig, ax = plt.subplots(figsize=(6, 4))
     series: dict[tuple[int | None, bool], list[Point]] = {}

@@ -79,6 +79,11 @@ def construct_instrumented_llm(
     With ``async_engine=True`` the engine is an ``AsyncLLM`` (bound to the running loop's
     thread), otherwise an offline ``vllm.LLM``.
     """
+    from inspect_tl_vllm.engine.plugin import unsupported_vllm
+
+    reason = unsupported_vllm()
+    if reason is not None:
+        raise RuntimeError(reason)
     settings = instrument if isinstance(instrument, InstrumentConfig) else InstrumentConfig(**(instrument or {}))
     check_engine_args(engine_kwargs)
     model_path = resolve_model(model)

