@@ -30,6 +30,21 @@ TINY_MODEL_ARGS_CLI = ["-M", "enforce_eager=true", "-M", "dtype=float32", "-M", 
 """`-M` flags for an eager fp32 engine on the tiny model, as the command lines take them."""
 
 
+def eval_spec(eval_id: str, model_args: dict | None = None):
+    """The header of a small tl-vllm eval log, for tests that build logs without running an eval."""
+    from inspect_ai.log import EvalConfig, EvalDataset, EvalSpec
+
+    return EvalSpec(
+        created="2026-01-01T00:00:00+00:00",
+        task="t",
+        dataset=EvalDataset(),
+        model="tl-vllm/tiny",
+        config=EvalConfig(),
+        eval_id=eval_id,
+        model_args=model_args or {},
+    )
+
+
 def require(condition: bool, why: str) -> None:
     if not condition:
         (pytest.fail if IN_CI else pytest.skip)(why)

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from inspect_ai.log import EvalConfig, EvalDataset, EvalLog, EvalSample, EvalSpec, read_eval_log, write_eval_log
+from inspect_ai.log import EvalLog, EvalSample, read_eval_log, write_eval_log
 from inspect_ai.model import ModelOutput
 
+from conftest import eval_spec
 from inspect_tl_vllm.provider.carry_over import carry_over
 from inspect_tl_vllm.specs import TAG
 from inspect_tl_vllm.storage import INDEX, UnsafePathError, link_sample, read_index, read_sample, write_sample
@@ -143,15 +144,7 @@ def retried_log(log_dir: Path, recorded_dir: str, model_args: dict | None = None
     and the file (name and sha256) of ``stored``, the index entry its output recorded."""
     output = ModelOutput.from_content("tl-vllm/tiny", "answer")
     output.metadata = {TAG: {"activations": {"dir": recorded_dir, "file": stored["file"], "sha256": stored["sha256"]}}}
-    spec = EvalSpec(
-        created="2026-01-01T00:00:00+00:00",
-        task="t",
-        dataset=EvalDataset(),
-        model="tl-vllm/tiny",
-        config=EvalConfig(),
-        eval_id="E2",
-        model_args=model_args or {},
-    )
+    spec = eval_spec("E2", model_args)
     sample = EvalSample(id="s", epoch=1, input="q", target="a", uuid="u-s", output=output)
     log_dir.mkdir(parents=True, exist_ok=True)
     location = log_dir / "retry.eval"

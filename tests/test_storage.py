@@ -10,8 +10,9 @@ import threading
 
 import pytest
 import torch
-from inspect_ai.log import EvalConfig, EvalDataset, EvalLog, EvalSample, EvalSpec, write_eval_log
+from inspect_ai.log import EvalLog, EvalSample, write_eval_log
 
+from conftest import eval_spec
 from inspect_tl_vllm import activations
 from inspect_tl_vllm.activations import SkippedRecordWarning
 from inspect_tl_vllm.storage import (
@@ -101,14 +102,7 @@ BAD = {
 def log_with_bad_records(tmp_path, bad: list[str]) -> EvalLog:
     """An eval log of samples ``good-1``, each kind in ``bad`` (its file spoiled that way), ``good-2``."""
     ids = ["good-1", *bad, "good-2"]
-    spec = EvalSpec(
-        created="2026-01-01T00:00:00+00:00",
-        task="t",
-        dataset=EvalDataset(),
-        model="tl-vllm/tiny",
-        config=EvalConfig(),
-        eval_id="E",
-    )
+    spec = eval_spec("E")
     samples = [EvalSample(id=i, epoch=1, input="q", target="a", uuid=f"u-{i}") for i in ids]
     log = EvalLog(eval=spec, samples=samples, location=str(tmp_path / "x.eval"))
     directory = activations_dir_for(log.location, "E", None)
