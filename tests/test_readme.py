@@ -35,7 +35,7 @@ def run_snippet(code: str, cwd: Path, folder: Path) -> str:
     folder.mkdir(exist_ok=True)
     script = folder / "snippet.py"
     script.write_text(code)
-    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1"}
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "VLLM_LOGGING_LEVEL": "ERROR"}  # stdout: the snippet's own
     done = subprocess.run([sys.executable, str(script)], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "Found no NVIDIA driver" not in done.stderr  # the CPU worker's shutdown is quiet
@@ -47,9 +47,10 @@ def test_every_python_snippet_is_covered_here():
 
 
 def test_python_api_snippet(smollm2_dir, vllm_ready, tmp_path):
-    out = run_snippet(snippet("inspect_tl_vllm.boot("), ROOT, tmp_path / "script").strip().splitlines()
-    assert len(out) >= 2 and out[0].strip()
-    assert re.match(r"torch\.Size\(\[\d+, 576\]\) \[\{'index': 0, .*'rows': \d+", out[-1]), out[-1]
+    out = run_snippet(snippet("inspect_tl_vllm.boot("), ROOT, tmp_path / "script")
+    shape = re.search(r"^torch\.Size\(\[(\d+), 576\]\) \[\{'index': 0, .*'rows': (\d+)", out, flags=re.MULTILINE)
+    assert shape and int(shape.group(1)) > 0 and int(shape.group(2)) > 0, out[-2000:]
+    assert out[: shape.start()].strip(), "the snippet printed no answer"
 
 
 def test_activations_load_snippet(vllm_ready, tiny_llama_dir, tmp_path):
