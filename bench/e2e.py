@@ -172,7 +172,9 @@ def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: P
         *inspect, "eval", f"{Path(__file__).resolve()}@e2e_questions",
         "--model", model, *engine, *extra,
         "-T", f"samples={args.samples}", "-T", f"max_tokens={args.max_tokens}",
-        "--max-connections", str(args.samples), "--log-dir", str(target), "--display", "plain",
+        # tl_default_connections: the provider's own default concurrency (no --max-connections)
+        *([] if name == "tl_default_connections" else ["--max-connections", str(args.samples)]),
+        "--log-dir", str(target), "--display", "plain",
     ]  # fmt: skip
     print(f"[e2e] {name}: {' '.join(command)}", flush=True)
     started, started_epoch = time.perf_counter(), time.time()

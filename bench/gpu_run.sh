@@ -11,6 +11,7 @@
 #   bash bench/gpu_run.sh diag   OUTDIR   # steer vs steer_zero, capture_all, 3 rounds, py-spy (PY_SPY=BIN) (~5 min)
 #   bash bench/gpu_run.sh e2e    OUTDIR   # inspect eval: vllm/ vs tl-vllm (~5 min)
 #   bash bench/gpu_run.sh e2e-warm OUTDIR # the same after one untimed run of each, caches warm (~8 min)
+#   bash bench/gpu_run.sh e2e-connections OUTDIR  # tl-vllm with --max-connections 256 vs its default (~5 min)
 #   bash bench/gpu_run.sh smol   OUTDIR   # throughput, SmolLM2 (~5 min)
 #   bash bench/gpu_run.sh smol-plain OUTDIR  # SmolLM2, vanilla and plain only, 8 rounds; PY_SPY=BIN
 #                                          # profiles plain before the first and after the last (~3 min)
@@ -21,7 +22,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|smol|smol-plain OUTDIR}
+step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|smol|smol-plain OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -72,6 +73,10 @@ case "$step" in
     ;;
   e2e)
     timeout 570 python3 bench/e2e.py --samples 256 --timeout 185 --out "$out/e2e.json" >"$log" 2>&1
+    ;;
+  e2e-connections)
+    timeout 570 python3 bench/e2e.py --samples 256 --timeout 185 --warm-up --variants tl,tl_default_connections \
+      --out "$out/e2e_connections.json" >"$log" 2>&1
     ;;
   e2e-warm)
     timeout 570 python3 bench/e2e.py --samples 256 --timeout 185 --warm-up --variants vllm,tl_steer_capture \
