@@ -486,3 +486,16 @@ def test_sample_times_exclude_a_lazy_boot_and_many_samples_run_at_once(provider_
             assert call is not None and call.time == sample.output.time and call.request["prompt_tokens"] > 0
     finally:
         engine.close()
+
+
+def test_the_provider_turns_a_tool_call_reply_into_an_assistant_message(provider_args, tiny_llama_dir):
+    from inspect_ai.tool import ToolInfo, ToolParam, ToolParams
+
+    from inspect_tl_vllm.provider.api import TLVLLMAPI
+
+    add = ToolInfo(name="add", description="Add", parameters=ToolParams(properties={"x": ToolParam(type="integer")}))
+    api = TLVLLMAPI(str(tiny_llama_dir), **provider_args)
+    message = api._assistant_message('<tool_call>{"name": "add", "arguments": {"x": 1}}</tool_call>', [add])
+    assert message.tool_calls and message.tool_calls[0].function == "add" and message.text == ""
+    plain = api._assistant_message("Paris.", [add])
+    assert plain.tool_calls is None and plain.text == "Paris."

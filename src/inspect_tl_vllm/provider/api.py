@@ -41,10 +41,11 @@ from inspect_tl_vllm.engine.frontend import (
     vllm_prompt,
 )
 from inspect_tl_vllm.provider import carry_over as _carry_over  # noqa: F401 (registers the eval-retry hook)
-from inspect_tl_vllm.provider.active import active_sample
+from inspect_tl_vllm.provider.active import ActiveSample, active_sample
 from inspect_tl_vllm.provider.engine_pool import EngineThread, shared_engine
 from inspect_tl_vllm.provider.model_args import parse_model_args
 from inspect_tl_vllm.provider.sample_spec import METADATA_KEY
+from inspect_tl_vllm.provider.tool_calls import parse_tool_calls
 from inspect_tl_vllm.specs import TAG, RequestSpec, SpecError, parse_request_spec
 
 logger = logging.getLogger(__name__)
@@ -155,7 +156,7 @@ class TLVLLMAPI(ModelAPI):
         return output, call
 
     # -- request building ------------------------------------------------------------------
-    def _spec_for(self, active: Any, config: GenerateConfig, where: str) -> RequestSpec | None:
+    def _spec_for(self, active: ActiveSample | None, config: GenerateConfig, where: str) -> RequestSpec | None:
         """Run-wide spec, then the sample's metadata spec (put in ``extra_body`` by the hook in
         ``sample_spec.py``, so that Inspect's cache keys on it), then ``extra_body["tlvllm"]``."""
         extra = config.extra_body or {}
@@ -303,11 +304,10 @@ class TLVLLMAPI(ModelAPI):
         return ModelOutput(model=self.model_name, choices=choices, usage=usage)
 
     def _assistant_message(self, text: str, tools: list[ToolInfo]) -> ChatMessageAssistant:
-        if tools:
-            from inspect_ai.model._providers.util import HFHandler
-
-            return HFHandler(self.model_name).parse_assistant_response(text, tools)
-        return ChatMessageAssistant(content=text, model=self.model_name, source="generate")
+        content, tool_calls = parse_tool_calls(text, tools) if tools else (text, [])
+        return ChatMessageAssistant(
+            content=content, tool_calls=tool_calls or None, model=self.model_name, source="generate"
+        )
 
     def _logprobs(self, completion: Any, top: int) -> Logprobs | None:
         """Per token: the sampled token's logprob and the first ``top`` alternatives as vLLM lists
@@ -344,7 +344,9 @@ class TLVLLMAPI(ModelAPI):
         result.check(where)  # raises: never score an unsteered answer as steered
         return result
 
-    def _record(self, core: Any, payload: Any, prepared: PreparedRequest, active: Any, where: str) -> dict[str, Any]:
+    def _record(
+        self, core: Any, payload: Any, prepared: PreparedRequest, active: ActiveSample | None, where: str
+    ) -> dict[str, Any]:
         result = self._checked(core, payload, where)
         record: dict[str, Any] = {"receipt": result.receipt}
         if result.activations:
@@ -378,7 +380,7 @@ class TLVLLMAPI(ModelAPI):
                 record["activations"].update({"dir": folder, "file": entry["file"], "sha256": entry["sha256"]})
         return record
 
-    def _activations_dir(self, active: Any) -> Path:
+    def _activations_dir(self, active: ActiveSample) -> Path:
         """This eval's activations folder, checked for write access once per folder."""
         from inspect_tl_vllm.storage import activations_dir_for, check_writable
 
