@@ -68,7 +68,7 @@ def carry_over(log: EvalLog) -> int:
     linked = 0
     for sample in _samples(log):
         key = (repr(sample.id), int(sample.epoch))
-        if own.get(key) == sample.uuid:
+        if key in own and own[key] in (None, sample.uuid):  # None: recorded where Inspect gave no uuid
             continue
         found = _find_stored(sample, log.location, directory, roots, indexes, refused)
         if found is None:
