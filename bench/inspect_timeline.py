@@ -16,6 +16,7 @@ from __future__ import annotations
 import atexit
 import functools
 import json
+import runpy
 import sys
 import time
 from collections.abc import Callable
@@ -50,7 +51,7 @@ def instrument() -> None:
 
     mark("provider imported")
     api.TLVLLMAPI.__init__ = timed("model constructor", api.TLVLLMAPI.__init__)
-    construct.load_hf_config = timed("hf config", construct.load_hf_config)
+    construct.model_config = timed("hf config", construct.model_config)
     build = construct.construct_instrumented_llm
 
     @functools.wraps(build)
@@ -86,10 +87,8 @@ def main() -> None:
         out.write_text(json.dumps(MARKS, indent=1))
 
     instrument()
-    from inspect_ai._cli.main import main as inspect_main
-
     sys.argv = ["inspect", *sys.argv[2:]]
-    inspect_main()
+    runpy.run_module("inspect_ai", run_name="__main__")  # `python -m inspect_ai`, in this process
 
 
 if __name__ == "__main__":
