@@ -64,7 +64,7 @@ def steering_sweep(
     """One point of a sweep: the vector (or, with control_seed, a random direction of the same
     norm) added at blocks.{layer}.hook_resid_post with coefficient ``coef``.  ``vector`` is a
     file (``path`` or ``path:key``) relative to this file's folder, as Inspect resolves task files."""
-    from inspect_tl_vllm.controls import random_like
+    from inspect_tl_vllm.research.controls import random_like
 
     # Inspect builds tasks inside the task file's folder: relative paths are relative to it.
     vector = str(Path(vector).resolve())

@@ -4,7 +4,7 @@
 
 Features: each sample's stored activations at ``--hook`` (mean over rows); labels: the first
 score of the sample (1 = correct).  Use the probe in a later eval with
-``inspect_tl_vllm.probes.probe_scorer("probe.safetensors")`` next to a capture of that hook.
+``inspect_tl_vllm.research.probes.probe_scorer("probe.safetensors")`` next to a capture of that hook.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import torch
 
 from inspect_tl_vllm import activations
-from inspect_tl_vllm.probes import save_probe, train_probe
+from inspect_tl_vllm.research.probes import save_probe, train_probe
 
 
 def main() -> int:

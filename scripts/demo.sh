@@ -19,5 +19,5 @@ echo "demo: inspect eval evals/steering_demo.py@steering_demo --model tl-vllm/sm
 inspect eval evals/steering_demo.py@steering_demo --model tl-vllm/smollm2 "${ARGS[@]}" --log-dir "$LOG_DIR" --display plain "$@"
 LOG=$(ls -t "$LOG_DIR"/*.eval | head -n 1)
 echo "demo: log $LOG; activations in ${LOG%.eval}.activations/"
-python -m inspect_tl_vllm.activations "$LOG"
+tl-vllm activations "$LOG"
 echo "demo: for the unsteered baseline, run the same command without -M steer=..."

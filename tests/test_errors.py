@@ -159,8 +159,8 @@ def test_other_outputs_are_checked_before_any_work(
 
 
 def test_sha256_vector_form_is_gone_and_reads_as_a_path(tmp_path: Path) -> None:
-    from inspect_tl_vllm.instrument.vectors import read_vector_file
     from inspect_tl_vllm.provider.model_args import parse_model_args
+    from inspect_tl_vllm.vectors.files import read_vector_file
 
     spec = tmp_path / "steer.yaml"
     spec.write_text("interventions:\n  - {hook: blocks.0.hook_resid_post, op: add, vector: 'sha256:0123abcd'}\n")
@@ -172,7 +172,8 @@ def test_sha256_vector_form_is_gone_and_reads_as_a_path(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("package", "extra"), [("pyarrow", "parquet"), ("matplotlib", "report")])
 def test_a_feature_whose_extra_is_missing_names_the_extra(monkeypatch, tmp_path, package, extra):
-    from inspect_tl_vllm import activations, sweep
+    from inspect_tl_vllm import activations
+    from inspect_tl_vllm.research import sweep
 
     monkeypatch.setitem(sys.modules, package, None)  # as if not installed: importing it raises ImportError
     with pytest.raises(

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from inspect_tl_vllm.extract import read_pairs
+from inspect_tl_vllm.research.extract import read_pairs
 from inspect_tl_vllm.specs import SpecError
 
 PAIRS = [

@@ -11,9 +11,9 @@ from inspect_ai.model import ModelName, ModelOutput
 from inspect_ai.scorer import Target
 from inspect_ai.solver import TaskState
 
-from inspect_tl_vllm.probes import load_probe, probe_scorer, probe_value, save_probe, train_probe
+from inspect_tl_vllm.research.probes import load_probe, probe_scorer, probe_value, save_probe, train_probe
 from inspect_tl_vllm.specs import TAG, SpecError
-from inspect_tl_vllm.storage import UnsafePathError, write_sample
+from inspect_tl_vllm.store.disk import UnsafePathError, write_sample
 
 
 def test_probe_learns_a_planted_direction(tmp_path):

@@ -313,7 +313,7 @@ def test_a_cancelled_request_leaves_nothing_in_the_worker(provider_args, tiny_ll
 
 def test_probe_scorer_reads_the_stored_activations(provider_args, tiny_llama_dir, tmp_path):
     from inspect_tl_vllm import activations
-    from inspect_tl_vllm.probes import probe_scorer, probe_value, save_probe
+    from inspect_tl_vllm.research.probes import probe_scorer, probe_value, save_probe
 
     torch.manual_seed(5)
     weight, bias = torch.randn(64) * 0.1, torch.tensor(0.2)

@@ -10,8 +10,8 @@ import torch
 
 from inspect_tl_vllm.instrument.hookpoints import build_sites, canonical_hook_point, layout_for
 from inspect_tl_vllm.instrument.plans import Scope
-from inspect_tl_vllm.instrument.vectors import load_vector
 from inspect_tl_vllm.specs import InstrumentConfig, SpecError, parse_hook_point, parse_request_spec
+from inspect_tl_vllm.vectors.files import load_vector
 
 
 def test_unknown_hook_point_suggests_the_nearest():

@@ -14,8 +14,8 @@ from inspect_ai.log import EvalLog, EvalSample, write_eval_log
 
 from conftest import eval_spec
 from inspect_tl_vllm import activations
-from inspect_tl_vllm.activations import SkippedRecordWarning
-from inspect_tl_vllm.storage import (
+from inspect_tl_vllm.store.activations import SkippedRecordWarning
+from inspect_tl_vllm.store.disk import (
     INDEX,
     StoredFileError,
     activations_dir_for,

@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from inspect_tl_vllm.sweep import is_degenerate, sweep_points
+from inspect_tl_vllm.research.sweep import is_degenerate, sweep_points
 
 
 def test_random_control_keeps_norm_and_is_reproducible(tmp_path, monkeypatch):
     from safetensors.torch import load_file, save_file
 
-    from inspect_tl_vllm.controls import random_like
+    from inspect_tl_vllm.research.controls import random_like
 
     monkeypatch.setenv("TLVLLM_CACHE", str(tmp_path / "cache"))
     source = tmp_path / "v.safetensors"
@@ -42,7 +42,7 @@ def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_pat
 
     from conftest import TINY_MODEL_ARGS_CLI, environment
     from inspect_tl_vllm.cli import main
-    from inspect_tl_vllm.sweep import report
+    from inspect_tl_vllm.research.sweep import report
 
     monkeypatch.setenv("TLVLLM_CACHE", str(tmp_path / "cache"))
     torch.manual_seed(0)
@@ -54,7 +54,7 @@ def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_pat
         "from inspect_ai.scorer import includes\nfrom inspect_ai.solver import generate\n"
         "from inspect_tl_vllm.solvers import steer\n"
         "@task\ndef t(coef: float = 0.0, layer: int = 1, control_seed: int | None = None, vector: str = ''):\n"
-        "    from inspect_tl_vllm.controls import random_like\n"
+        "    from inspect_tl_vllm.research.controls import random_like\n"
         "    path = random_like(vector, control_seed) if control_seed is not None else vector\n"
         "    solver = steer([{'hook': f'blocks.{layer}.hook_resid_post', 'vector': path, 'coef': coef}]) "
         "if coef else generate()\n"

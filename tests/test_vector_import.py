@@ -14,7 +14,7 @@ import torch
 from safetensors import safe_open
 
 from inspect_tl_vllm.cli import main
-from inspect_tl_vllm.instrument.vectors import load_vector
+from inspect_tl_vllm.vectors.files import load_vector
 
 HOOK = "blocks.1.hook_resid_post"
 WIDTH = 8
@@ -215,7 +215,7 @@ def eval_log_with_activations(tmp: Path) -> Path:
     from inspect_ai.model import ModelOutput, ModelUsage, get_model
     from inspect_ai.scorer import includes
 
-    from inspect_tl_vllm.storage import activations_dir_for, write_sample
+    from inspect_tl_vllm.store.disk import activations_dir_for, write_sample
 
     task = Task(
         dataset=[Sample(id=1, input="Say hi", target="Default"), Sample(id=2, input="Say bye", target="nowhere")],

@@ -15,12 +15,17 @@ __all__ = [
     "Intervention",
     "RequestSpec",
     "SpecError",
+    "activations",
     "boot",
     "construct_instrumented_llm",
 ]
 
 
 def __getattr__(name: str) -> Any:
+    if name == "activations":  # `from inspect_tl_vllm import activations`: reading stored activations
+        from inspect_tl_vllm.store import activations
+
+        return activations
     if name == "boot":
         from inspect_tl_vllm.engine.api import boot
 

@@ -35,7 +35,7 @@ def _models(_: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from inspect_tl_vllm.demo import run
+    from inspect_tl_vllm.research.demo import run
 
     if args.save_vector:  # demo.run writes it without making its folder
         Path(args.save_vector).parent.mkdir(parents=True, exist_ok=True)
@@ -45,7 +45,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _extract_vector(args: argparse.Namespace) -> int:
     from inspect_tl_vllm.engine.api import boot
-    from inspect_tl_vllm.extract import extract_vectors, read_pairs, save_vectors
+    from inspect_tl_vllm.research.extract import extract_vectors, read_pairs, save_vectors
     from inspect_tl_vllm.specs import SpecError
 
     try:
@@ -64,8 +64,8 @@ def _extract_vector(args: argparse.Namespace) -> int:
 
 
 def _import_vector(args: argparse.Namespace) -> int:
-    from inspect_tl_vllm.instrument.vector_import import import_vector_file
     from inspect_tl_vllm.specs import SpecError
+    from inspect_tl_vllm.vectors.importers import import_vector_file
 
     try:
         imported = import_vector_file(args.src, Path(args.out), hook=args.hook, model=args.model)
@@ -96,7 +96,7 @@ def _key_values(items: list[str]) -> dict[str, object]:
 
 
 def _sweep(args: argparse.Namespace) -> int:
-    from inspect_tl_vllm.sweep import run_sweep, sweep_points
+    from inspect_tl_vllm.research.sweep import run_sweep, sweep_points
 
     model_args = _key_values(args.M)
     points = sweep_points(
@@ -110,7 +110,7 @@ def _sweep(args: argparse.Namespace) -> int:
 
 
 def _report(args: argparse.Namespace) -> int:
-    from inspect_tl_vllm.sweep import report
+    from inspect_tl_vllm.research.sweep import report
 
     table, png = report(args.log_dir)
     print(table)
@@ -140,7 +140,7 @@ def output_problem(path: Path, is_dir: bool) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["activations"]:  # its own parser: list or export a log's activations
-        from inspect_tl_vllm.activations import main as activations_main
+        from inspect_tl_vllm.store.activations import main as activations_main
 
         return activations_main(argv[1:])
     parser = argparse.ArgumentParser(prog="tl-vllm", description=__doc__)

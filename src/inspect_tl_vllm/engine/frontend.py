@@ -21,8 +21,8 @@ import torch
 
 from inspect_tl_vllm.engine.handoff import HandoffFolder
 from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, canonical_hook_point, layout_for
-from inspect_tl_vllm.instrument.vectors import load_vector, vector_hash
 from inspect_tl_vllm.specs import TAG, InstrumentConfig, RequestSpec, SpecError
+from inspect_tl_vllm.vectors.files import load_vector, vector_hash
 
 
 class SteeringNotApplied(RuntimeError):

@@ -356,7 +356,7 @@ class TLVLLMAPI(ModelAPI):
             }
             record["activations"] = {"hooks": summary}
             if active is not None:
-                from inspect_tl_vllm.storage import record_dir, write_sample
+                from inspect_tl_vllm.store.disk import record_dir, write_sample
 
                 directory = self._activations_dir(active)
                 try:
@@ -382,7 +382,7 @@ class TLVLLMAPI(ModelAPI):
 
     def _activations_dir(self, active: ActiveSample) -> Path:
         """This eval's activations folder, checked for write access once per folder."""
-        from inspect_tl_vllm.storage import activations_dir_for, check_writable
+        from inspect_tl_vllm.store.disk import activations_dir_for, check_writable
 
         directory = activations_dir_for(active.log_location, active.eval_id, self.settings.activations_dir)
         if directory not in self._writable_dirs:

@@ -12,7 +12,7 @@ then returns every sample once, and no sample is generated or stored twice.
 
 A log is data that can be edited, so what it names is trusted only within bounds: a recorded folder
 must resolve below the folder holding the log or below the ``-M activations_dir`` root, and file
-names from its index must stay inside their folders (``storage.contained_file``). Anything else is
+names from its index must stay inside their folders (``store.disk.contained_file``). Anything else is
 skipped with a warning; carrying over never fails the eval.
 """
 
@@ -27,7 +27,7 @@ from inspect_ai.hooks import Hooks, TaskEnd, hooks
 from inspect_ai.log import EvalLog, EvalSample
 
 from inspect_tl_vllm.specs import TAG
-from inspect_tl_vllm.storage import (
+from inspect_tl_vllm.store.disk import (
     StoredFileError,
     activations_dir_for,
     is_below,

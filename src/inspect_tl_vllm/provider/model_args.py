@@ -62,7 +62,7 @@ class ProviderSettings:
         for item in spec["interventions"]:
             vector = item.get("vector")
             if isinstance(vector, str):
-                from inspect_tl_vllm.instrument.vectors import split_vector_ref
+                from inspect_tl_vllm.vectors.files import split_vector_ref
 
                 path, key = split_vector_ref(vector)
                 if path.is_file():

@@ -73,7 +73,7 @@ def probe_scorer(probe: str) -> Any:
 
     async def score(state: TaskState, target: Target) -> Score:
         from inspect_tl_vllm.provider.active import active_sample
-        from inspect_tl_vllm.storage import read_sample, recorded_dir
+        from inspect_tl_vllm.store.disk import read_sample, recorded_dir
 
         stored = (state.output.metadata or {}).get(TAG, {}).get("activations", {})
         if "dir" not in stored:

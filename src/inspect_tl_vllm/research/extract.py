@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from inspect_tl_vllm.instrument.vectors import write_vector_file
 from inspect_tl_vllm.specs import SpecError
+from inspect_tl_vllm.vectors.files import write_vector_file
 
 
 def read_pairs(path: Path) -> list[tuple[Any, Any]]:

@@ -1,7 +1,7 @@
 """Steering vectors made by other tools, converted to this project's safetensors layout.
 
 Single vectors (``.npy``, ``.pt``/``.pth``, ``.safetensors``, optionally ``FILE:KEY``) are read by the
-same pickle-free readers as steering specs (:mod:`inspect_tl_vllm.instrument.vectors`) and carry no
+same pickle-free readers as steering specs (:mod:`inspect_tl_vllm.vectors.files`) and carry no
 hook point, so the caller names one.
 
 llama.cpp / repeng control vectors (``.gguf``, ``general.architecture = "controlvector"``) hold one
@@ -33,8 +33,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from inspect_tl_vllm.instrument.vectors import read_vector_file, split_vector_ref, write_vector_file
 from inspect_tl_vllm.specs import SpecError, parse_hook_point
+from inspect_tl_vllm.vectors.files import read_vector_file, split_vector_ref, write_vector_file
 
 GGUF_FORMAT = "gguf-controlvector"
 FORMATS = {".npy": "npy", ".pt": "pt", ".pth": "pt", ".safetensors": "safetensors", ".gguf": GGUF_FORMAT}

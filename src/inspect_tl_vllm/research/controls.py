@@ -17,7 +17,7 @@ def random_like(vector_ref: str, seed: int) -> str:
     import torch
     from safetensors.torch import save_file
 
-    from inspect_tl_vllm.instrument.vectors import read_vector_file
+    from inspect_tl_vllm.vectors.files import read_vector_file
 
     source = read_vector_file(vector_ref, "control vector").flatten().float()
     digest = hashlib.sha256(source.numpy().tobytes()).hexdigest()[:16]

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from inspect_tl_vllm.extras import require
-from inspect_tl_vllm.storage import (
+from inspect_tl_vllm.store.disk import (
     INDEX,
     StoredFileError,
     activations_dir_for,
