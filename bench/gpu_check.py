@@ -16,10 +16,10 @@ Prints a JSON summary and exits non-zero if a check fails.
 
 The strict run is float32 (relative error 1e-3, tokens equal).  In bfloat16 the compiled
 and eager engines run different kernels (fused residual-add + RMSNorm, Inductor fusions) and
-round differently; on the H200 (2026-12-02) greedy tokens then diverged within 24 tokens even
-for a request with no steering, and prompt captures differed by up to 4.2% over 30 layers
-(transformers vs compiled: 1.5%).  So ``--dtype bfloat16`` checks captures at 5e-2 and
-reports, without failing on, token equality.
+round differently; on an H200 greedy tokens then diverged within 24 tokens even for a
+request with no steering, as they do for plain vLLM, and prompt captures differed by up to
+4.2% over 30 layers (transformers vs compiled: 1.5%; docs/BENCHMARKS.md).  So
+``--dtype bfloat16`` checks captures at 5e-2 and reports, without failing on, token equality.
 """
 
 from __future__ import annotations

@@ -1,21 +1,27 @@
 #!/usr/bin/env bash
-# Every GPU measurement of docs/BENCHMARKS.md, in steps that each fit one device call
-# (at most 10 minutes).  On a machine staged as ../shared/gpu/README.md says:
+# The one entry point of the GPU benchmarks (bench/README.md, docs/BENCHMARKS.md): one step per
+# device call (at most 10 minutes each).  On a machine staged as ../shared/gpu/README.md says,
+# run `check` first: it installs this package and prepares SmolLM2, which every other step needs.
 #
-#   bash bench/gpu_run.sh check  OUTDIR   # install, prepare SmolLM2, hook cost, router cost, gpu_check (~4 min)
-#   bash bench/gpu_run.sh 8b     OUTDIR   # throughput, Llama-3-8B shape (~4 min; PY_SPY=BIN adds profiles)
-#   bash bench/gpu_run.sh 8b-nodetok OUTDIR  # the same without detokenizing, four variants (~3 min)
-#   bash bench/gpu_run.sh 8b-scaled OUTDIR   # as 8b, weights re-drawn at training-init scale (~4 min)
-#   bash bench/gpu_run.sh late-writes OUTDIR  # capture_all with TLVLLM_EARLY_WRITES=0 (~3 min)
+# The steps behind the current results in docs/BENCHMARKS.md:
+#   bash bench/gpu_run.sh check  OUTDIR   # install, prepare SmolLM2, hook_cost, router_cost, gpu_check (~4 min)
+#   bash bench/gpu_run.sh 8b-scaled OUTDIR   # throughput, Llama-3-8B shape, weights at training-init scale (~4 min)
 #   bash bench/gpu_run.sh writers OUTDIR  # capture_all with 4 writer threads, then with 1 (~7 min)
-#   bash bench/gpu_run.sh diag   OUTDIR   # steer vs steer_zero, capture_all, 3 rounds, py-spy (PY_SPY=BIN) (~5 min)
-#   bash bench/gpu_run.sh e2e    OUTDIR   # inspect eval: vllm/ vs tl-vllm (~5 min)
-#   bash bench/gpu_run.sh e2e-warm OUTDIR # the same after one untimed run of each, caches warm (~8 min)
-#   bash bench/gpu_run.sh e2e-connections OUTDIR  # tl-vllm with --max-connections 256 vs its default (~5 min)
 #   bash bench/gpu_run.sh smol   OUTDIR   # throughput, SmolLM2 (~5 min)
 #   bash bench/gpu_run.sh smol-plain OUTDIR  # SmolLM2, vanilla and plain only, 8 rounds; PY_SPY=BIN
 #                                          # profiles plain before the first and after the last (~3 min)
-#   python3 bench/tables.py OUTDIR        # the markdown tables for docs/BENCHMARKS.md
+#   bash bench/gpu_run.sh e2e-warm OUTDIR # inspect eval: vllm/ vs tl-vllm steered and captured, caches warm (~8 min)
+#   bash bench/gpu_run.sh e2e-connections OUTDIR  # tl-vllm with --max-connections 256 vs its default (~5 min)
+#
+# Diagnostic steps (the findings in docs/BENCHMARKS.md):
+#   bash bench/gpu_run.sh 8b     OUTDIR   # throughput, 8B shape with vLLM's dummy weights (~4 min; PY_SPY=BIN adds profiles)
+#   bash bench/gpu_run.sh 8b-nodetok OUTDIR  # the same without detokenizing, four variants (~3 min)
+#   bash bench/gpu_run.sh late-writes OUTDIR  # capture_all with TLVLLM_EARLY_WRITES=0 (~3 min)
+#   bash bench/gpu_run.sh diag   OUTDIR   # steer vs steer_zero, capture_all, 3 rounds, py-spy (PY_SPY=BIN) (~5 min)
+#   bash bench/gpu_run.sh e2e    OUTDIR   # inspect eval: vllm/ vs tl-vllm plain and steered, caches as found (~5 min)
+#
+# Then, anywhere:
+#   python3 bench/tables.py OUTDIR        # markdown tables from the step's JSON
 #
 # Each step writes its JSON and log into OUTDIR.  If the fused hook kernel fails its check
 # against the reference in `check`, later steps run with TLVLLM_FUSED_HOOK=0 (torch ops)

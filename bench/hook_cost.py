@@ -6,8 +6,8 @@ A chain of ``--sites`` hooked "layers" (each: the site's hook on ``(hidden, resi
 cheap stand-in for the layer) is compiled with torch.compile, captured in one CUDA graph and
 replayed; the same chain without hooks is the baseline.  Two hook implementations are timed:
 
-- ``inductor``: the hook math as torch ops that Inductor compiles (the design before
-  ``site_op.py``; it is ``site_op.reference`` inlined),
+- ``inductor``: the hook math as torch ops that Inductor compiles (``site_op.reference``
+  inlined: what ``TLVLLM_FUSED_HOOK=0`` runs),
 - ``fused``: ``torch.ops.tlvllm.site_hook``, one Triton kernel per site.
 
 The correctness part runs the kernel and the reference on the same random rows (unsteered,

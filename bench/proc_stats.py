@@ -5,9 +5,9 @@ spinning, a thread count or memory that grows, or some other process taking the 
 would each change the numbers.  The throughput bench records, per run, the CPU seconds of
 the busiest processes on the machine (their busiest threads by name), their kernel time,
 thread counts, resident memory and involuntary context switches (times they were made to
-wait for a core).  Round 7 (docs/BENCHMARKS.md) read from them that the engine core's main
-thread is busy nearly all the time on SmolLM2, in both engines, and that the host's CPU
-speed drifts between runs.
+wait for a core).  They show, for instance, whether the engine core's main thread is busy
+all the time, and whether the same work takes more CPU time in one run than in another
+(the host's own speed drifting; docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations

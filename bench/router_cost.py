@@ -4,8 +4,7 @@
 
 The router's ``begin_step`` / ``end_step`` run on vLLM's critical path: at 256 concurrent
 requests an 8B decode step on an H200 is ~11 ms, most of it vLLM's own host work, so every
-tenth of a millisecond the router adds shows in throughput (the H200 rounds measured 0.10 s
-of routing and 0.08 s of receipts per 258-step run for 256 steered requests).  This drives a
+tenth of a millisecond the router adds can show in throughput.  This drives a
 real ``StepRouter`` through a prefill step and then decode steps for three workloads (every
 request steered at one site, every request capturing one site reduced by mean, and nothing
 requested) and prints the median host time per decode step, as wall time and as the thread's

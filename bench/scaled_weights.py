@@ -4,9 +4,9 @@ vLLM's dummy weights are uniform in +-1e-3, RMSNorm weights included, so every l
 output is nearly zero, the residual stream is almost the token embedding, and greedy
 decoding gives nearly the same token for every request (2 distinct ids over 65,536 in the
 8B runs).  A GPU may well run such batches of repeated rows faster, at lower power
-(``gpu_power.py`` records that), and a variant that changes the outputs would lose that
-edge: round 4 in docs/BENCHMARKS.md points that way for steering.  Re-drawing the weights the way a model is
-initialised before training (normal, std 0.02; norm weights 1) gives every variant
+(``gpu_power.py`` records that), and a variant that changes the outputs (steering) would lose
+that edge and look slower than it is (docs/BENCHMARKS.md).  Re-drawing the weights the way a
+model is initialised before training (normal, std 0.02; norm weights 1) gives every variant
 distinct rows to work on.  Each parameter is seeded by its name, so both engines get the
 same weights.
 
@@ -53,8 +53,8 @@ def close_insecure_serialization() -> None:
     """Turn ``VLLM_ALLOW_INSECURE_SERIALIZATION`` off again in this (engine-core) process.
 
     While it is on, vLLM tags every element of a worker call's nested lists with its type and
-    converts each one on arrival.  In round 5 (docs/BENCHMARKS.md) that made the fetch of a
-    capture-all run, with 460,000 positions, take 2 s instead of 0.12 s.  The engine core
+    converts each one on arrival.  On an H200 that made the fetch of a capture-all run, with
+    460,000 positions, take 2 s instead of 0.12 s (docs/BENCHMARKS.md).  The engine core
     caches vLLM's environment after start-up, so the cache is rebuilt.  The front end may
     keep it on: it converts only answers that carry type tags.
     """

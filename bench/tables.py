@@ -53,7 +53,7 @@ def router_cost(data: dict[str, Any]) -> list[str]:
         *(
             f"| {label} | {data[f'plain{key}']} ms | {data[f'steer{key}']} ms | {data[f'capture_mean{key}']} ms |"
             for label, key in (("wall", "_ms_per_step"), ("thread CPU", "_cpu_ms_per_step"))
-            if f"plain{key}" in data  # runs before CPU time was recorded have only wall time
+            if f"plain{key}" in data  # a file without thread CPU times gets the wall-time row only
         ),
     ]
 
@@ -97,7 +97,7 @@ def throughput(data: dict[str, Any]) -> list[str]:
         host_text = "—"
         if host:
             host_text = f"{_median(h['route'] for h in host):.2f} / {_median(h['harvest'] for h in host):.2f}"
-            if all("route_cpu" in h for h in host):  # the thread's CPU time within them (older runs lack it)
+            if all("route_cpu" in h for h in host):  # the thread's CPU time within them, where recorded
                 host_text += f" (CPU {_median(h['route_cpu'] for h in host):.2f} / "
                 host_text += f"{_median(h['harvest_cpu'] for h in host):.2f})"
         phases = [r["phases_s"] for r in runs.get(variant, []) if r.get("phases_s")]
@@ -140,7 +140,7 @@ def throughput(data: dict[str, Any]) -> list[str]:
 
 def _pinned_host(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
     """Per run of each instrumented variant: pinned host blocks made, the time spent making
-    them, and the pinned memory held after it (runs recorded before these counters: nothing)."""
+    them, and the pinned memory held after it (nothing for files without these counters)."""
 
     def row(variant: str, pinned: list[dict[str, Any]]) -> str:
         made = ", ".join(str(p["blocks_made"]) for p in pinned)

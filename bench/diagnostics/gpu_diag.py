@@ -1,14 +1,17 @@
 """Where do compiled and eager differ on the GPU?  Plain vLLM (no instrumentation) compiled
 vs eager greedy tokens, and per-hook captures of the instrumented eager engine against
-transformers (bf16).  Usage: python bench/gpu_diag.py --out diag.json"""
+transformers (bf16).  Usage: python bench/diagnostics/gpu_diag.py --out diag.json"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 import torch
-from gpu_check import HOOKS, QUESTIONS, report
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/, for gpu_check's prompts and report
+from gpu_check import HOOKS, QUESTIONS, report  # noqa: E402
 
 PROMPTS = QUESTIONS[:3]
 

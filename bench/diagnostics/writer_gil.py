@@ -1,22 +1,21 @@
-"""Does writing captures out early slow the engine's step loop through the GIL?  (CPU only)
+"""Does writing captures out early slow the engine's step loop?  (CPU only)
 
-    python bench/writer_gil.py --requests 64 --rounds 3
+    python bench/diagnostics/writer_gil.py --requests 64 --writers 1 --rounds 5
 
-Capture-all runs on the H200 generate 0.9-1.0 s slower than nothing requested, and neither
-the device copies (~0.1 s) nor the worker's own routing and harvest (~0.2 s) account for it
-(docs/BENCHMARKS.md, round 4).  While those runs decode, four writer threads in the engine
-process write each request's prompt rows to the hand-off folder.  Each torch call and each
-``write`` a writer makes releases the GIL and takes it back, and every time it takes it back
-the step loop, which releases the GIL at each of its own torch calls, may have to wait.
+While capturing requests decode, the worker's writer threads write each request's prompt
+rows to the hand-off folder (``engine/packing.py``).  Each torch call and each write a writer
+makes releases the GIL and takes it back, and every time it takes it back the step loop,
+which releases the GIL at each of its own torch calls, may have to wait; the writes' memory
+traffic may also slow the loop's own work.
 
 This script runs a stand-in for the step loop (small torch ops and some Python, as vLLM's
 host work per step is) on the main thread, and measures its steps per second alone and
 while ``--writers`` threads write ``--requests`` requests of 33 hook points x 54 prompt rows
 x 4,096 bf16 numbers to /dev/shm.  Same bytes, same threads; what differs is how often the
-writers give up and take back the GIL: ``write_tensors`` (the project's writer: seven torch
-calls and one ``write`` per tensor) against ``writev_prepared`` (no torch call in the writer,
-one ``writev`` per file: the same I/O with the least GIL traffic).  The main
-thread's CPU time per step is recorded too: wall time above it is time spent waiting.
+writers give up and take back the GIL: ``write_tensors`` (the project's writer,
+``engine/handoff.py``) against ``writev_prepared`` (no torch call in the writer, one
+``writev`` per file: the same I/O with the least GIL traffic).  The main thread's CPU time
+per step is recorded too: wall time above it is time spent waiting.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What vLLM's front end pays to detokenize a generated token, by what the token is.
 
-    python bench/detok_cost.py [--requests 256] [--tokens 256] [--out F]
+    python bench/diagnostics/detok_cost.py [--requests 256] [--tokens 256] [--out F]
 
 The 8B-shaped throughput model has 128,256 ids but borrows SmolLM2's tokenizer, which knows
 49,152, and its random weights decode greedily, so what a variant generates (and with it the
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -70,7 +71,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
 
-    from throughput import chat_prompts  # the throughput bench's prompts (this script's folder is on sys.path)
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # bench/, for the throughput bench's prompts
+    from throughput import chat_prompts
     from transformers import AutoTokenizer
 
     from inspect_tl_vllm.aliases import resolve_model
