@@ -1,4 +1,4 @@
-"""Per-token captures travel to the host in fixed-size chunks (``routing.HOST_CHUNK_BYTES``).
+"""Per-token captures travel to the host in fixed-size chunks (``host_copies.HOST_CHUNK_BYTES``).
 
 The engine tests read per-token captures through the real CPU engine, where a step's rows
 fit one chunk.  These drive the real router on CPU buffers with three-row chunks, so that
@@ -11,9 +11,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from conftest import cpu_hook_runtime
+from inspect_tl_vllm.instrument.host_copies import pieces as _pieces
 from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope
-from inspect_tl_vllm.instrument.routing import StepRouter, _pieces
-from inspect_tl_vllm.instrument.runtime import HookRuntime
+from inspect_tl_vllm.instrument.routing import StepRouter
 
 WIDTH = 4
 
@@ -39,10 +40,7 @@ def test_rows_straddling_chunks_come_back_whole() -> None:
     a and b each over two.  Step 2: a's and b's prefill continue around c's long prefill
     (not captured), so the router gathers rows 0, 1, 12 and 13: b straddles two chunks
     again.  Step 3: one decode row each."""
-    runtime = HookRuntime(
-        site_indices=[0], hidden_size=WIDTH, max_tokens=16, max_stack=1, max_vectors=1,
-        device=torch.device("cpu"), act_dtype=torch.float32,
-    )  # fmt: skip
+    runtime = cpu_hook_runtime(WIDTH)
     router = StepRouter(runtime, chunk_rows=3)
     a, b, c = per_token_state("a", 7), per_token_state("b", 6), per_token_state("c", 10, capture=False)
     for state in (a, b, c):

@@ -1,0 +1,108 @@
+"""The step router's side of pooled captures: which rows each step folds into which slot.
+
+``pooling.py`` holds the device accumulators and their kernels; this module decides what
+they are given.  Each site with pooled captures gets one ``SiteAccumulators``, indexed by
+request slot.  A slot is zeroed before the first step of the request admitted to it.  After
+each step the captured rows of all pooled requests are folded in with a few index kernels
+per site and reduction, whatever the number of requests, and each request's newest row is
+kept apart as its pending row (``plans.finish_pooled`` says why).  The accumulators are read
+back, one read per site, when requests retire or their results are fetched, and settled
+into the requests' capture items.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from inspect_tl_vllm.instrument.plans import RequestState
+from inspect_tl_vllm.instrument.pooling import MODES, SiteAccumulators, device_index
+from inspect_tl_vllm.instrument.runtime import HookRuntime
+
+PooledReads = dict[int, tuple[np.ndarray, torch.Tensor]]  # site -> slots (sorted), their rows on the host
+
+
+class PooledCaptures:
+    """The accumulators of every site with pooled captures, and the slots to zero before the next step."""
+
+    def __init__(self, runtime: HookRuntime, cuda: bool) -> None:
+        self.runtime = runtime
+        self.cuda = cuda
+        self.pools: dict[int, SiteAccumulators] = {}
+        self.resets: dict[int, list[int]] = {}  # site -> slots whose accumulators must be zeroed
+
+    def admit(self, state: RequestState) -> None:
+        """Make room for the pooled request ``state`` (slot already taken); zeroed at the next step."""
+        for item in state.capture:
+            pool = self.pools.setdefault(item.site, SiteAccumulators(self.runtime.hidden_size, self.runtime.device))
+            pool.ensure(state.slot + 1)
+            self.resets.setdefault(item.site, []).append(state.slot)
+
+    def flush_resets(self) -> None:
+        for site, slots in self.resets.items():
+            if slots:
+                self.pools[site].reset(device_index(np.array(slots), self.runtime.device, self.cuda))
+        self.resets.clear()
+
+    def fold(
+        self,
+        pending: np.ndarray,
+        site_of: np.ndarray,
+        mode_of: np.ndarray,
+        rows: np.ndarray,
+        slots: np.ndarray,
+        positions: np.ndarray,
+    ) -> None:
+        """Fold this step's pooled rows into the accumulators, keeping each request's newest
+        row apart as its pending row; ``pending`` (per request slot, the position of the
+        pending row, -1 for none) is updated."""
+        order = np.lexsort((positions, slots))
+        newest_of_slot: dict[int, int] = {}
+        device = self.runtime.device
+        for key in np.unique(site_of * len(MODES) + mode_of).tolist():
+            site, mode = divmod(key, len(MODES))
+            group = order[(site_of[order] == site) & (mode_of[order] == mode)]
+            s, r, p = slots[group], rows[group], positions[group]
+            newest = np.r_[s[1:] != s[:-1], True]  # per slot, the row with the highest position
+            step_slots, step_rows = s[newest], r[newest]
+            earlier = ~newest
+            if mode == MODES["last"]:  # of the earlier rows only the last per slot matters
+                earlier &= np.r_[newest[1:], False]
+            carried = step_slots[pending[step_slots] >= 0]
+            parts = [carried, r[earlier], s[earlier], step_slots, step_rows]
+            index = device_index(np.concatenate(parts), device, self.cuda)
+            bounds = np.cumsum([0, *(len(part) for part in parts)]).tolist()
+            carried_t, earlier_rows, earlier_slots, step_slots_t, step_rows_t = (
+                index[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+            )
+            pool, staging = self.pools[site], self.runtime.sites[site].staging
+            if len(carried):
+                pool.fold(mode, pool.pending, carried_t, carried_t)
+            if earlier.any():
+                pool.fold(mode, staging, earlier_rows, earlier_slots)
+            pool.stash(staging, step_rows_t, step_slots_t)
+            newest_of_slot.update(zip(step_slots.tolist(), p[newest].tolist(), strict=True))
+        if newest_of_slot:
+            pending[np.fromiter(newest_of_slot, np.int64)] = np.fromiter(newest_of_slot.values(), np.int64)
+
+    def read(self, states: list[RequestState], to_host: Callable[[torch.Tensor], torch.Tensor]) -> PooledReads:
+        """The pooled rows of ``states``, copied by ``to_host``: one read per site, however many requests."""
+        reads: PooledReads = {}
+        for site, pool in self.pools.items():
+            slots = np.sort(
+                np.array([s.slot for s in states if s.pooled and any(c.site == site for c in s.capture)], np.int64)
+            )
+            if slots.size:
+                reads[site] = (slots, to_host(pool.read(device_index(slots, pool.device, self.cuda))))
+        return reads
+
+    def settle(self, state: RequestState, reads: PooledReads) -> None:
+        """Copy the pooled request ``state``'s rows out of ``reads`` into its capture items."""
+        width = self.runtime.hidden_size
+        for item in state.capture:
+            if item.site in reads:
+                slots, data = reads[item.site]
+                row = data.numpy()[int(np.searchsorted(slots, state.slot))]
+                item.pooled = (row[:width].copy(), float(row[width]), row[width + 1 :].copy())
