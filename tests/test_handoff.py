@@ -116,11 +116,11 @@ def test_a_truncated_file_is_refused_with_its_name(tmp_path) -> None:
 
 
 def test_one_thread_writes_early_unless_told_otherwise(monkeypatch) -> None:
-    """Four writers cost capture-all a fifth of its throughput on the H200 (BENCHMARKS, round 7)."""
-    from inspect_tl_vllm.engine.worker import _writer_threads
+    """Four writers cost capture-all a fifth of its throughput on an H200 (docs/BENCHMARKS.md, one writer thread)."""
+    from inspect_tl_vllm.engine.packing import writer_threads
 
     monkeypatch.delenv("TLVLLM_WRITER_THREADS", raising=False)
-    assert _writer_threads() == 1
+    assert writer_threads() == 1
     for value, threads in (("3", 3), ("0", 1), ("many", 1)):
         monkeypatch.setenv("TLVLLM_WRITER_THREADS", value)
-        assert _writer_threads() == threads, value
+        assert writer_threads() == threads, value

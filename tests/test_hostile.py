@@ -97,7 +97,19 @@ def test_a_request_the_worker_cannot_plan_fails_alone(tiny_engine, baseline):
             ],
             "capture": None,
         },
-        {"uid": "no-site", "capture": {"hooks": [["blocks.9.hook_resid_post", 999]], "positions": "all"}},
+        {
+            "uid": "no-site",
+            "steer": [],
+            "capture": {
+                "hooks": [["blocks.9.hook_resid_post", 999]],
+                "positions": "all",
+                "reduce": "mean",
+                "dtype": "float32",
+                "max_bytes": 1 << 20,
+                "handoff": None,
+            },
+        },
+        {"uid": "mistyped", "steer": [{"label": "x", "site": "one"}], "capture": None},
     ]
     llm = tiny_engine.llm
     tokens = tiny_engine.tokenize(KNOWN_PROMPT)
@@ -107,10 +119,11 @@ def test_a_request_the_worker_cannot_plan_fails_alone(tiny_engine, baseline):
     assert len(outputs) == len(hostile) and all(len(o.outputs[0].token_ids) == 3 for o in outputs)
     wanted = [[wire["uid"], 0] for wire in hostile]
     answers = merge_fetched(llm.collective_rpc("tlvllm_fetch", args=front.fetch_args(wanted)))
-    errors = [answer["receipt"]["error"] for answer in answers]
+    errors = [answer.receipt.error for answer in answers]
     assert all(error and error.startswith("instrumentation refused this request") for error in errors), errors
     assert "positions must be integers within" in errors[0] and "explode" in errors[1]
     assert "never-uploaded" in errors[2] and "site 999 does not exist" in errors[3]
+    assert "ValidationError" in errors[4] and "steer[0].site" in errors[4]  # the wire's types are checked
     assert_engine_serves_the_known_request(tiny_engine, baseline)
 
 

@@ -16,16 +16,9 @@ from typing import Any
 
 import torch
 
-from inspect_tl_vllm.engine.construct import InstrumentedLLM, construct_instrumented_llm
-from inspect_tl_vllm.engine.frontend import (
-    CaptureResult,
-    PreparedRequest,
-    max_input_position,
-    merge_fetched,
-    merge_status,
-    sampling_fields,
-    vllm_prompt,
-)
+from inspect_tl_vllm.engine import lifecycle
+from inspect_tl_vllm.engine.construct import InstrumentedLLM, construct_instrumented_llm, cpu_defaults
+from inspect_tl_vllm.engine.frontend import PreparedRequest, merge_status, sampling_fields, vllm_prompt
 from inspect_tl_vllm.specs import Capture, Intervention, RequestSpec, parse_request_spec
 
 logger = logging.getLogger(__name__)
@@ -55,32 +48,12 @@ def _chunks(total: int, first: int = 8) -> list[tuple[int, int]]:
     return bounds
 
 
-def on_cpu_build() -> bool:
-    """Whether vLLM runs on its CPU platform.
-
-    Asks vLLM's platform detection (NVML) rather than ``torch.cuda.is_available()``: the latter
-    initialises the CUDA driver in this process, and vLLM then forks its engine core into a
-    process where CUDA cannot start ("Cannot re-initialize CUDA in forked subprocess").
-    """
-    from vllm.platforms import current_platform
-
-    return current_platform.is_cpu()
-
-
-def cpu_defaults(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Engine settings that make vLLM's CPU build practical, unless given: a small KV cache
-    (it would take most of RAM) and eager mode (compiling costs a minute and gains little)."""
-    if not on_cpu_build():
-        return engine_kwargs
-    return {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, **engine_kwargs}
-
-
 class Engine:
     """Offline instrumented engine: batches all prompts of a call into one vLLM run."""
 
     def __init__(self, core: InstrumentedLLM) -> None:
         self.core = core
-        self.llm = core.engine
+        self.llm = core.llm
         self.tokenizer = self.llm.get_tokenizer()
         self.last_timings: dict[str, float] = {}  # seconds per phase of the last generate() call
 
@@ -146,29 +119,27 @@ class Engine:
         except BaseException:  # a failed spec or an interrupt: no request of this call may run on
             if added:
                 self.llm.llm_engine.abort_request(added, internal=True)
-                self._discard([request for request in prepared if request is not None])
+                lifecycle.run(lifecycle.discard(front, [r for r in prepared if r is not None]), self.llm)
             raise
         generated_at = time.perf_counter()
-        wanted = [
-            [r.uid, max_input_position(len(o.prompt_token_ids), len(o.outputs[0].token_ids))]
-            for o, r in zip(outputs, prepared, strict=True)
-            if r is not None
+        finished = [
+            (request, len(out.prompt_token_ids), len(out.outputs[0].token_ids), f"prompt {i}")
+            for i, (out, request) in enumerate(zip(outputs, prepared, strict=True))
+            if request is not None
         ]
-        try:
-            answers = self.llm.collective_rpc("tlvllm_fetch", args=front.fetch_args(wanted)) if wanted else None
-        finally:
-            front.release(prepared)
-        fetched = iter(merge_fetched(answers) if answers is not None else [])
+        payloads = lifecycle.run(lifecycle.fetch(front, [f[:3] for f in finished]), self.llm) if finished else []
+        fetched = (
+            lifecycle.decode(front, payload, label, strict=strict)
+            for payload, (*_, label) in zip(payloads, finished, strict=True)
+        )
         results = []
-        for i, (out, request) in enumerate(zip(outputs, prepared, strict=True)):
+        for out, request in zip(outputs, prepared, strict=True):
             completion = out.outputs[0]
             gen = Generation(
                 completion.text, list(out.prompt_token_ids), list(completion.token_ids), completion.finish_reason
             )
             if request is not None:
-                result: CaptureResult = front.decode(next(fetched), f"prompt {i}")
-                if strict:
-                    result.check(f"prompt {i}")
+                result = next(fetched)
                 gen.receipt, gen.activations, gen.positions = result.receipt, result.activations, result.positions
             results.append(gen)
         self.last_timings = {
@@ -185,27 +156,11 @@ class Engine:
         """Upload the vectors these requests need that the workers lack, then add the requests."""
         from vllm import SamplingParams
 
-        front = self.core.instrumentation
-        upload = front.pending_upload(requests)
-        if upload is not None:
-            self.llm.collective_rpc("tlvllm_put_vectors", args=(upload.blob, upload.evict))
-        front.hold(requests, upload)
+        lifecycle.run(lifecycle.upload(self.core.instrumentation, requests), self.llm)
         inputs = [vllm_prompt(tokens, request) for tokens, request in zip(token_lists, requests, strict=True)]
         # one fresh object per request: vLLM need not deep-copy it (and its wire spec)
         params = [SamplingParams(**sampling, **sampling_fields(request), skip_clone=True) for request in requests]
         return self.llm.enqueue(inputs, params, use_tqdm=False)
-
-    def _discard(self, requests: list[PreparedRequest]) -> None:
-        """Take back what the workers hold for aborted requests; a failure here is logged, so
-        that it does not hide the error that caused the abort."""
-        if not requests:
-            return
-        front = self.core.instrumentation
-        front.release(requests)
-        try:
-            front.discard(self.llm.collective_rpc("tlvllm_fetch", args=front.discard_args(requests)))
-        except Exception as err:  # the engine may be what failed
-            logger.warning(f"tl-vllm: could not release the aborted requests' results in the workers: {err}")
 
     def status(self) -> dict[str, Any]:
         return merge_status(self.llm.collective_rpc("tlvllm_status"))

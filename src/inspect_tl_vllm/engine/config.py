@@ -11,9 +11,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
-from inspect_tl_vllm.specs import InstrumentConfig
-
-CONFIG_KEY = "tlvllm"
+from inspect_tl_vllm.specs import TAG, InstrumentConfig
 
 
 def hook_code_version() -> str:
@@ -26,4 +24,4 @@ def hook_code_version() -> str:
 
 
 def additional_config(settings: InstrumentConfig) -> dict[str, Any]:
-    return {CONFIG_KEY: {**settings.model_dump(), "code": hook_code_version()}}
+    return {TAG: {**settings.model_dump(), "code": hook_code_version()}}

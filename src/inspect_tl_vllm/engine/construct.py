@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from inspect_tl_vllm.aliases import model_config, resolve_model
-from inspect_tl_vllm.engine.config import CONFIG_KEY, additional_config
+from inspect_tl_vllm.engine.config import additional_config
 from inspect_tl_vllm.engine.frontend import Instrumentation, check_sites_landed, merge_status
-from inspect_tl_vllm.specs import InstrumentConfig, SpecError
+from inspect_tl_vllm.specs import TAG, InstrumentConfig, SpecError
 
 EXTENSION = "inspect_tl_vllm.engine.worker.TLWorkerExtension"
 
@@ -36,12 +36,32 @@ ONE_IS_FINE = {"ubatch_size", "data_parallel_size"}
 
 @dataclass
 class InstrumentedLLM:
-    """An instrumented engine (``vllm.LLM`` or ``AsyncLLM``) with its front-end hook table."""
+    """An instrumented engine with its front-end hook table."""
 
-    engine: Any
+    llm: Any  # vllm.LLM, or AsyncLLM with async_engine=True
     instrumentation: Instrumentation
     model_path: str
     is_async: bool
+
+
+def on_cpu_build() -> bool:
+    """Whether vLLM runs on its CPU platform.
+
+    Asks vLLM's platform detection (NVML) rather than ``torch.cuda.is_available()``: the latter
+    initialises the CUDA driver in this process, and vLLM then forks its engine core into a
+    process where CUDA cannot start ("Cannot re-initialize CUDA in forked subprocess").
+    """
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
+def cpu_defaults(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """Engine settings that make vLLM's CPU build practical, unless given: a small KV cache
+    (it would take most of RAM) and eager mode (compiling costs a minute and gains little)."""
+    if not on_cpu_build():
+        return engine_kwargs
+    return {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, **engine_kwargs}
 
 
 def check_engine_args(engine_kwargs: dict[str, Any]) -> None:
@@ -51,9 +71,9 @@ def check_engine_args(engine_kwargs: dict[str, Any]) -> None:
         if value and not (name in ONE_IS_FINE and value == 1):
             raise SpecError(f"engine argument {name}={value!r} is not supported with instrumentation: {why}")
     extra = engine_kwargs.get("additional_config") or {}
-    if CONFIG_KEY in extra:
+    if TAG in extra:
         raise SpecError(
-            f"additional_config[{CONFIG_KEY!r}] is set by tl-vllm; give the instrumentation settings as "
+            f"additional_config[{TAG!r}] is set by tl-vllm; give the instrumentation settings as "
             "instrument=InstrumentConfig(...) (Python) or -M hook_points/max_stack/max_vectors/"
             "capture_bytes_per_request (Inspect) instead"
         )

@@ -1,8 +1,8 @@
 """Front-end half of the capture contract: turn specs into per-request wire data, and
 wire data back into results.  Shared by the offline API and the Inspect provider.
 
-A request's spec becomes ``SamplingParams.extra_args["tlvllm"]`` (hook points resolved to
-site numbers, vectors replaced by content hashes after upload), a ``cache_salt`` that keeps
+A request's spec becomes ``SamplingParams.extra_args["tlvllm"]`` (a ``wire.RequestWire``: hook
+points resolved to site numbers, vectors replaced by content hashes), a ``cache_salt`` that keeps
 its prefix-cache entries apart from differently steered requests, and
 ``skip_reading_prefix_cache`` when it captures (cached prompt rows would never be computed).
 """
@@ -23,6 +23,7 @@ from inspect_tl_vllm.engine.handoff import HandoffFolder
 from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, canonical_hook_point, layout_for
 from inspect_tl_vllm.specs import TAG, InstrumentConfig, RequestSpec, SpecError
 from inspect_tl_vllm.vectors.files import load_vector, vector_hash
+from inspect_tl_vllm.wire import CaptureWire, FetchedResult, Receipt, RequestWire, SteerWire, WorkerStatus
 
 
 class SteeringNotApplied(RuntimeError):
@@ -33,7 +34,7 @@ class SteeringNotApplied(RuntimeError):
 @dataclass
 class PreparedRequest:
     uid: str
-    wire: dict[str, Any]
+    wire: RequestWire
     vectors: dict[str, torch.Tensor]
     cache_salt: str | None
     skip_prefix_cache: bool
@@ -120,7 +121,7 @@ class Instrumentation:
             return None
         uid = uuid.uuid4().hex
         vectors: dict[str, torch.Tensor] = {}
-        steer = []
+        steer: list[SteerWire] = []
         stages: dict[int, int] = {}
         for i, item in enumerate(spec.interventions):
             label = f"interventions[{i}] {item.op} at {item.hook}"
@@ -144,19 +145,19 @@ class Instrumentation:
                 key = vector_hash(vector)
                 vectors[key] = vector
             steer.append(
-                {
-                    "label": label,
-                    "site": site.index,
-                    "stage": stage,
-                    "op": item.op,
-                    "coef": item.coef,
-                    "vector": key,
-                    "positions": item.positions,
-                }
+                SteerWire(
+                    label=label,
+                    site=site.index,
+                    stage=stage,
+                    op=item.op,
+                    coef=item.coef,
+                    vector=key,
+                    positions=item.positions,
+                )
             )
         capture = None
         if spec.capture is not None:
-            hooks = [[h, self.site(h, f"{where}: capture.hooks").index] for h in spec.capture.hooks]
+            hooks = [(h, self.site(h, f"{where}: capture.hooks").index) for h in spec.capture.hooks]
             _check_reach(spec.capture.positions, prompt_len, max_tokens, f"{where}: capture.positions")
             if spec.capture.reduce == "none":
                 need = (prompt_len + max_tokens) * self.hidden_size * 4 * len(hooks)
@@ -167,18 +168,19 @@ class Instrumentation:
                         f"{self.settings.capture_bytes_per_request}; capture fewer positions or hooks, reduce "
                         "per sample, or raise the limit"
                     )
-            capture = {
-                "hooks": hooks,
-                "positions": spec.capture.positions,
-                "reduce": spec.capture.reduce,
-                "dtype": spec.capture.dtype,
-                "max_bytes": self.settings.capture_bytes_per_request,
-                "handoff": self.handoff.ticket() if spec.capture.reduce == "none" else None,
-            }
-        wire = {"uid": uid, "steer": steer, "capture": capture}
+            capture = CaptureWire(
+                hooks=hooks,
+                positions=spec.capture.positions,
+                reduce=spec.capture.reduce,
+                dtype=spec.capture.dtype,
+                max_bytes=self.settings.capture_bytes_per_request,
+                handoff=self.handoff.ticket() if spec.capture.reduce == "none" else None,
+            )
+        wire = RequestWire(uid=uid, steer=steer, capture=capture)
         salt = None
         if steer:
-            salt = hashlib.sha256(json.dumps(steer, sort_keys=True).encode()).hexdigest()[:24]
+            encoded = [item.encode() for item in steer]
+            salt = hashlib.sha256(json.dumps(encoded, sort_keys=True).encode()).hexdigest()[:24]
         return PreparedRequest(uid, wire, vectors, salt, capture is not None, spec)
 
     def pending_upload(self, requests: list[PreparedRequest | None]) -> VectorUpload | None:
@@ -237,23 +239,23 @@ class Instrumentation:
         otherwise stay until the engine stops (position 0: no more rows than needed)."""
         return self.fetch_args([[request.uid, 0] for request in requests])
 
-    def discard(self, per_worker: list[list[dict[str, Any] | None] | None]) -> None:
+    def discard(self, per_worker: list[Any]) -> None:
         """Drop the answer to ``discard_args``' fetch, deleting the hand-off files it names."""
         for payload in merge_fetched(per_worker):
-            for name in (payload or {}).get("files", []):
+            for name in payload.files if payload is not None else ():
                 self.handoff.take(name)
 
-    def decode(self, payload: dict[str, Any] | None, where: str = "request") -> CaptureResult:
+    def decode(self, payload: FetchedResult | None, where: str = "request") -> CaptureResult:
         if payload is None:
             raise SteeringNotApplied(f"{where}: the worker has no record of this request (was the engine restarted?)")
         activations: dict[str, torch.Tensor] = {}
-        if payload["tensors"]:
+        if payload.tensors:
             from safetensors.torch import load
 
-            activations = load(payload["tensors"])
-        for name in payload.get("files", []):
+            activations = load(payload.tensors)
+        for name in payload.files:
             activations.update(self.handoff.take(name))
-        return CaptureResult(payload["receipt"], activations, payload.get("positions", {}))
+        return CaptureResult(payload.receipt.encode(), activations, payload.positions)
 
 
 def _check_reach(scope: Any, prompt_len: int, max_tokens: int, where: str) -> None:
@@ -299,7 +301,10 @@ def sampling_fields(request: PreparedRequest | None) -> dict[str, Any]:
     plain request): the wire spec, and no prefix-cache reads when it captures."""
     if request is None:
         return {}
-    return {"extra_args": {TAG: request.wire}, "skip_reading_prefix_cache": request.skip_prefix_cache or None}
+    return {
+        "extra_args": {TAG: request.wire.encode()},
+        "skip_reading_prefix_cache": request.skip_prefix_cache or None,
+    }
 
 
 def max_input_position(prompt_len: int, num_generated: int) -> int:
@@ -307,8 +312,9 @@ def max_input_position(prompt_len: int, num_generated: int) -> int:
     return prompt_len + max(num_generated, 1) - 2
 
 
-def merge_fetched(per_worker: list[list[dict[str, Any] | None] | None]) -> list[dict[str, Any] | None]:
-    """One result per wanted request from every worker's answer to ``tlvllm_fetch``.
+def merge_fetched(per_worker: list[Any]) -> list[FetchedResult | None]:
+    """One result per wanted request from every worker's answer to ``tlvllm_fetch`` (each a list
+    of encoded ``FetchedResult`` or None).
 
     Tensor-parallel ranks other than 0 answer None (they hold the same residual stream);
     pipeline stages each answer for the hook points and interventions of their own layers,
@@ -317,10 +323,12 @@ def merge_fetched(per_worker: list[list[dict[str, Any] | None] | None]) -> list[
     answers = [answer for answer in per_worker if answer is not None]
     if not answers:
         raise RuntimeError("tl-vllm: no worker records captures (is tensor-parallel rank 0 instrumented?)")
-    return [_merge_parts(list(parts)) for parts in zip(*answers, strict=True)]
+    decoded = [[None if part is None else FetchedResult.decode(part) for part in answer] for answer in answers]
+    return [_merge_parts(list(parts)) for parts in zip(*decoded, strict=True)]
 
 
-def _merge_parts(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
+def _merge_parts(parts: list[FetchedResult | None]) -> FetchedResult | None:
+    """Pipeline stages' parts of one request's result as one result."""
     if any(part is None for part in parts):
         return None
     if len(parts) == 1:
@@ -328,45 +336,44 @@ def _merge_parts(parts: list[dict[str, Any] | None]) -> dict[str, Any] | None:
     from safetensors.torch import load, save
 
     tensors: dict[str, torch.Tensor] = {}
-    receipt: dict[str, Any] = {"interventions": [], "captures": {}, "error": None}
+    receipt = Receipt(interventions=[], captures={}, error=None)
     positions: dict[str, list[int]] = {}
     files: list[str] = []
     for part in parts:
         assert part is not None
-        files += part.get("files", [])
-        if part["tensors"]:
-            tensors.update(load(part["tensors"]))
-        positions.update(part["positions"])
-        receipt["interventions"].extend(part["receipt"]["interventions"])
-        receipt["captures"].update(part["receipt"]["captures"])
-        receipt["error"] = receipt["error"] or part["receipt"]["error"]
-    receipt["interventions"].sort(key=lambda item: item["index"])
-    return {
-        "uid": parts[0]["uid"],
-        "receipt": receipt,
-        "positions": positions,
-        "tensors": save(tensors) if tensors else b"",
-        "files": files,
-    }
+        files += part.files
+        if part.tensors:
+            tensors.update(load(part.tensors))
+        positions.update(part.positions)
+        receipt.interventions.extend(part.receipt.interventions)
+        receipt.captures.update(part.receipt.captures)
+        receipt.error = receipt.error or part.receipt.error
+    receipt.interventions.sort(key=lambda item: item.index)
+    uid = parts[0].uid if parts[0] is not None else ""
+    return FetchedResult(
+        uid=uid, receipt=receipt, positions=positions, tensors=save(tensors) if tensors else b"", files=files
+    )
 
 
-def merge_status(per_worker: list[dict[str, Any]]) -> dict[str, Any]:
-    """The workers' counters as one: sites and fire counts of the recording ranks, totals of the rest."""
-    recording = [status for status in per_worker if status["collects"]]
+def merge_status(per_worker: list[Any]) -> dict[str, Any]:
+    """The workers' counters (encoded ``WorkerStatus``) as one: sites and fire counts of the
+    recording ranks, totals of the rest."""
+    workers = [WorkerStatus.decode(status) for status in per_worker]
+    recording = [status for status in workers if status.collects]
     return {
-        "sites": [name for status in recording for name in status["sites"]],
-        "fired": [count for status in recording for count in status["fired"]],
-        "buffer_bytes": sum(status["buffer_bytes"] for status in per_worker),
-        "vectors": max(status["vectors"] for status in per_worker),
-        "max_requests_steered_in_one_step": max(s["max_requests_steered_in_one_step"] for s in per_worker),
-        "pending_results": sum(status["pending_results"] for status in recording),
-        "live_requests": max(status["live_requests"] for status in per_worker),
-        "workers": len(per_worker),
-        "steps": max(status["steps"] for status in per_worker),
-        "resumed_after_preemption": max(status["resumed_after_preemption"] for status in per_worker),
-        "written_early": sum(status["written_early"] for status in recording),
-        "host_seconds": recording[0]["host_seconds"] if len(recording) == 1 else [s["host_seconds"] for s in recording],
-        "pinned_host": recording[0]["pinned_host"] if len(recording) == 1 else [s["pinned_host"] for s in recording],
+        "sites": [name for status in recording for name in status.sites],
+        "fired": [count for status in recording for count in status.fired],
+        "buffer_bytes": sum(status.buffer_bytes for status in workers),
+        "vectors": max(status.vectors for status in workers),
+        "max_requests_steered_in_one_step": max(s.max_requests_steered_in_one_step for s in workers),
+        "pending_results": sum(status.pending_results for status in recording),
+        "live_requests": max(status.live_requests for status in workers),
+        "workers": len(workers),
+        "steps": max(status.steps for status in workers),
+        "resumed_after_preemption": max(status.resumed_after_preemption for status in workers),
+        "written_early": sum(status.written_early for status in recording),
+        "host_seconds": recording[0].host_seconds if len(recording) == 1 else [s.host_seconds for s in recording],
+        "pinned_host": recording[0].pinned_host if len(recording) == 1 else [s.pinned_host for s in recording],
     }
 
 

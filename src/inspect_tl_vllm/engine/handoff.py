@@ -39,10 +39,15 @@ from typing import Any
 
 import torch
 
+from inspect_tl_vllm.instrument.dtypes import TORCH_DTYPES
+
 TOKEN_FILE = "TOKEN"
 PREFIX = "tlvllm-handoff-"
 _OWNER = re.compile(re.escape(PREFIX) + r"(\d+)\.(\d+)-")  # pid namespace, pid
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+# safetensors' name of each capture dtype: F<bits> for IEEE floats, BF16 for bfloat16
+_SAFETENSORS_DTYPES = {
+    dtype: ("BF" if name == "bfloat16" else "F") + str(8 * dtype.itemsize) for name, dtype in TORCH_DTYPES.items()
+}
 _TORCH_DTYPES = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
 _IOV_MAX = 1024  # buffers one writev takes on Linux
 

@@ -32,7 +32,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from inspect_tl_vllm.engine.config import CONFIG_KEY
+from inspect_tl_vllm.specs import TAG
 
 _MARK = "_tlvllm_wrapped"
 VLLM_PROCESS_NAMES = ("EngineCore", "VllmWorker-")
@@ -127,7 +127,7 @@ def _watch_if_instrumented(owner: Any) -> None:
     """Start the parent watchdog if ``owner`` (a worker or engine core) serves an instrumented
     engine; plain vLLM engines and servers keep vLLM's own behaviour."""
     extra = getattr(owner.vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and CONFIG_KEY in extra:
+    if isinstance(extra, dict) and TAG in extra:
         install_parent_watchdog()
 
 

@@ -10,33 +10,32 @@ runtime, registers the hooks and wraps two methods of that worker's model runner
 - ``execute_model``: before the step, let go of finished requests; after it, harvest
   captures and steering receipts.
 
+Results are packed in ``packing.py``; the counters ``tlvllm_status`` reports beyond the
+routing's own are kept in ``telemetry.py``.
+
 ``TLWorkerExtension`` adds the RPC methods the front end calls with ``collective_rpc``.
 Its method names must not exist on vLLM's Worker (vLLM asserts that), hence the prefix.
 """
 
 from __future__ import annotations
 
-import gc
 import logging
-import os
-import time
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from inspect_tl_vllm.engine.config import CONFIG_KEY
-from inspect_tl_vllm.engine.handoff import shared_folder, write_tensors
+from inspect_tl_vllm.engine.handoff import shared_folder
+from inspect_tl_vllm.engine.packing import ResultPacker, early_writes
+from inspect_tl_vllm.engine.telemetry import GC_TIMER, HostTimer, pinned_host_stats
 from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, layout_for
-from inspect_tl_vllm.instrument.plans import RequestState, finish_pooled, plan_request
+from inspect_tl_vllm.instrument.plans import RequestState, plan_request
 from inspect_tl_vllm.instrument.routing import StepRouter
 from inspect_tl_vllm.instrument.runtime import HookRuntime, install_hooks
 from inspect_tl_vllm.specs import TAG
+from inspect_tl_vllm.wire import RequestWire, WorkerStatus
 
 log = logging.getLogger(__name__)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class Controller:
@@ -70,10 +69,11 @@ class Controller:
             act_dtype=runner.model_config.dtype,
         )
         self.handles = install_hooks(inner.layers, inner.norm, self.sites, self.runtime)
+        self.packer = ResultPacker(int(hf_config.hidden_size))
         self.router = StepRouter(
             self.runtime,
             collect=_tensor_parallel_rank() == 0,
-            on_capture_complete=self._write_early if _early_writes() else None,
+            on_capture_complete=self.packer.write_early if early_writes() else None,
         )
         self.runner = runner
         self.bank_rows: dict[str, int] = {}  # vector hash -> row of the bank
@@ -81,16 +81,10 @@ class Controller:
         self.free_rows: list[int] = list(range(int(settings["max_vectors"]), 0, -1))
         self.live: dict[str, RequestState] = {}  # vLLM request id -> state, instrumented requests only
         self.results: dict[str, RequestState] = {}  # uid -> state, until fetched
-        # Where this worker's own host time goes: wall time per phase, and ("..._cpu") the
-        # thread's CPU time within it.  Wall well above CPU time means the thread was waiting
-        # (for the GIL, or in a blocking call) rather than working.
-        self.host_seconds = {"route": 0.0, "harvest": 0.0, "route_cpu": 0.0, "harvest_cpu": 0.0}
-        _GC_TIMER.install()
+        self.host_time = HostTimer("route", "harvest")
+        GC_TIMER.install()
         self.steps = 0
         self.resumed = 0  # instrumented requests resumed after preemption (their rows are recomputed)
-        self.written_early = 0  # requests whose per-token rows were written out before their fetch
-        self._writer: ThreadPoolExecutor | None = None
-        self._folders: dict[tuple[str, ...], Path | None] = {}
         log.info(
             "tl-vllm: %d of %d hook sites on this worker (%s), %.1f MiB of buffers",
             len(self.sites),
@@ -102,7 +96,7 @@ class Controller:
     # -- per step -------------------------------------------------------------------------
     def before_forward(self, scheduler_output: Any) -> None:
         """Route the step: only instrumented requests are looked at, so plain traffic costs nothing."""
-        started = (time.perf_counter(), time.thread_time())
+        started = self.host_time.start()
         for new in scheduler_output.scheduled_new_reqs:
             self._register(new.req_id)
         self.resumed += len(self.live.keys() & scheduler_output.scheduled_cached_reqs.resumed_req_ids)
@@ -112,7 +106,7 @@ class Controller:
         batch_index = np.fromiter((index_of.get(s.req_id, -1) for s in states), dtype=np.int64, count=len(states))
         self.router.begin_step(batch_index, self.runner.query_start_loc.np, batch.num_computed_tokens_cpu)
         self.steps += 1
-        self._account("route", started)
+        self.host_time.add("route", started)
 
     def retire_finished(self, scheduler_output: Any) -> None:
         """Let go of requests vLLM has finished.
@@ -127,28 +121,29 @@ class Controller:
                 self.router.retire(state)
 
     def after_forward(self) -> None:
-        started = (time.perf_counter(), time.thread_time())
+        started = self.host_time.start()
         self.router.end_step()
-        self._account("harvest", started)
-
-    def _account(self, phase: str, started: tuple[float, float]) -> None:
-        self.host_seconds[phase] += time.perf_counter() - started[0]
-        self.host_seconds[f"{phase}_cpu"] += time.thread_time() - started[1]
+        self.host_time.add("harvest", started)
 
     def _register(self, req_id: str) -> None:
         if req_id in self.live:  # a preempted request sent again: keep what it has captured so far
             return
         request = self.runner.requests[req_id]
         params = request.sampling_params
-        wire = (params.extra_args or {}).get(TAG) if params is not None else None
-        if not wire:
+        raw = (params.extra_args or {}).get(TAG) if params is not None else None
+        if not raw:
             return
         try:
             state = plan_request(
-                wire, request.num_prompt_tokens, self.bank_rows, self.every_site, self.runtime.max_stack, self.owned
+                RequestWire.decode(raw),
+                request.num_prompt_tokens,
+                self.bank_rows,
+                self.every_site,
+                self.runtime.max_stack,
+                self.owned,
             )
         except Exception as err:  # this request fails, alone: the step loop and every other request go on
-            uid = str(wire.get("uid", "")) if isinstance(wire, dict) else ""
+            uid = str(raw.get("uid", "")) if isinstance(raw, dict) else ""
             state = RequestState(uid=uid, prompt_len=request.num_prompt_tokens, steer=[], capture=[])
             state.error = f"instrumentation refused this request: {type(err).__name__}: {err}"
         state.req_id = req_id
@@ -182,8 +177,9 @@ class Controller:
         self.bank_rows.update(zip(fresh, rows, strict=True))
         return len(self.bank_rows)
 
-    def fetch(self, wanted: list[list[Any]], ticket: list[str] | None = None) -> list[dict[str, Any] | None] | None:
-        """Results per wanted uid; None from a rank that records nothing (TP rank > 0).
+    def fetch(self, wanted: list[list[Any]], ticket: list[str] | None = None) -> list[Any] | None:
+        """Encoded ``FetchedResult`` per wanted uid (None for a uid this worker has no record
+        of); None from a rank that records nothing (TP rank > 0).
 
         ``ticket`` names the front end's hand-off folder (see ``handoff.py``)."""
         if not self.router.collect:
@@ -192,161 +188,30 @@ class Controller:
         folder = shared_folder(ticket)
         states = [(self.results.pop(uid, None), int(max_pos)) for uid, max_pos in wanted]
         self.router.snapshot([state for state, _ in states if state is not None])
-        return [None if state is None else self._pack_or_fail(state, max_pos, folder) for state, max_pos in states]
+        return [
+            None if state is None else self.packer.pack(state, max_pos, folder).encode() for state, max_pos in states
+        ]
 
-    def _pack_or_fail(self, state: RequestState, max_pos: int, folder: Path | None) -> dict[str, Any]:
-        """``_pack``, or a result that carries the error: one request's failure fails that request
-        only, not the fetch of the others (nor, through the RPC, the engine)."""
-        try:
-            return self._pack(state, max_pos, folder)
-        except Exception as err:
-            state.error = f"packing the results failed: {type(err).__name__}: {err}"
-            return {"uid": state.uid, "receipt": state.receipt(), "positions": {}, "tensors": b"", "files": []}
-
-    def _pack(self, state: RequestState, max_pos: int, folder: Path | None) -> dict[str, Any]:
-        uid = state.uid
-        if state.written is not None:
-            try:
-                written = state.written.result()
-            except Exception as err:  # this request's rows are lost; the others in the fetch are not
-                state.error = f"writing the captured rows failed: {type(err).__name__}: {err}"
-                written = {"positions": {}, "tensors": b"", "files": []}
-            return {"uid": uid, "receipt": state.receipt(), **written}
-        tensors: dict[str, torch.Tensor] = {}
-        positions: dict[str, list[int]] = {}
-        if state.pooled:
-            dtype = _DTYPES[state.dtype]
-            for hook, row in finish_pooled(state, max_pos).items():
-                tensors[hook] = torch.from_numpy(row).to(dtype).unsqueeze(0)
-        elif state.reduce == "none":
-            tensors, positions = self._per_token(state, max_pos)
-        return {
-            "uid": uid,
-            "receipt": state.receipt(),
-            "positions": positions,
-            # Pooled captures (one row per hook point) travel with the answer: a file each would cost more.
-            **write_tensors(None if state.pooled else folder, uid, tensors),
-        }
-
-    def _per_token(self, state: RequestState, max_pos: int) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
-        """Each hook's rows up to ``max_pos`` in the requested dtype, and their positions."""
-        dtype, width = _DTYPES[state.dtype], self.runtime.hidden_size
-        tensors, positions = {}, {}
-        for item in state.capture:
-            kept, rows = item.per_token(max_pos)
-            positions[item.hook] = kept
-            tensors[item.hook] = torch.zeros(0, width, dtype=dtype) if rows is None else rows.to(dtype)
-        return tensors, positions
-
-    def _write_early(self, state: RequestState) -> None:
-        """A capture that ends inside the prompt is complete long before the request: write it
-        out now on a worker thread (the step loop goes on), so that the fetch only names the file.
-
-        Large writes release the GIL, so the thread costs the step loop little; the rows'
-        host memory is let go once they are written.
-        """
-        if self._writer is None:
-            self._writer = ThreadPoolExecutor(max_workers=_writer_threads(), thread_name_prefix="tlvllm-write")
-        key = tuple(state.handoff or ())
-        if key not in self._folders:
-            self._folders[key] = shared_folder(state.handoff)
-        folder = self._folders[key]
-        last = state.capture_scope.last_prompt_position if state.capture_scope else None
-        assert last is not None  # the router calls this only for scopes that end in the prompt
-
-        def write() -> dict[str, Any]:
-            tensors, positions = self._per_token(state, last)
-            payload = {"positions": positions, **write_tensors(folder, state.uid, tensors)}
-            for item in state.capture:
-                item.blocks.clear()
-            return payload
-
-        state.written = self._writer.submit(write)
-        self.written_early += 1
-
-    def status(self) -> dict[str, Any]:
-        """Counters for checks and tests; the batch-mixing maximum restarts at each call."""
+    def status(self) -> Any:
+        """Encoded ``WorkerStatus``, for checks and tests; the batch-mixing maximum restarts at each call."""
         self.router.drain()
         steered, self.router.max_requests_steered_in_one_step = self.router.max_requests_steered_in_one_step, 0
         fired = self.runtime.fired()
-        return {
-            "sites": [site.name for site in self.sites],
-            "fired": [fired[site.index] for site in self.sites],
-            "buffer_bytes": self.runtime.memory_bytes(),
-            "vectors": len(self.bank_rows),
-            "max_requests_steered_in_one_step": steered,
-            "pending_results": len(self.results),
-            "live_requests": len(self.live),
-            "collects": self.router.collect,
-            "steps": self.steps,
-            "resumed_after_preemption": self.resumed,
-            "written_early": self.written_early,
-            "host_seconds": {
-                **{key: round(value, 6) for key, value in self.host_seconds.items()},
-                "gc": round(_GC_TIMER.seconds, 6),
-            },
-            "pinned_host": _pinned_host_stats(),
-        }
-
-
-class _GcTimer:
-    """Time this process spends in Python's garbage collector, which pauses the step loop
-    like any other host work.  One per process: collections belong to the process, and a
-    callback bound to a controller would keep its buffers alive after its engine is gone."""
-
-    def __init__(self) -> None:
-        self.seconds = 0.0
-        self._started = 0.0
-        self._installed = False
-
-    def install(self) -> None:
-        if not self._installed:
-            gc.callbacks.append(self._on_collection)
-            self._installed = True
-
-    def _on_collection(self, phase: str, info: dict[str, Any]) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.seconds += time.perf_counter() - self._started
-
-
-_GC_TIMER = _GcTimer()
-
-
-def _early_writes() -> bool:
-    """``TLVLLM_EARLY_WRITES=0`` keeps prompt captures in host memory until they are fetched
-    instead of writing them out while their requests decode (``_write_early``): a switch for
-    measuring what the writer threads cost the step loop (docs/BENCHMARKS.md, round 4).  Read
-    when the worker boots, so an engine booted with it set keeps it."""
-    return os.environ.get("TLVLLM_EARLY_WRITES", "1") != "0"
-
-
-def _writer_threads() -> int:
-    """How many threads write prompt captures out early: ``TLVLLM_WRITER_THREADS``, else one.
-
-    Every time a writer takes the GIL back, the step loop may have to wait for it.  On the
-    H200 with the 8B shape, capturing every layer's prompt rows kept 0.914 of vanilla's
-    throughput with one writer and 0.712 with four, while one writer still finished within
-    0.1-0.2 s of the last request (docs/BENCHMARKS.md, round 7).  More threads only help
-    when a single one cannot keep up with the captures."""
-    value = os.environ.get("TLVLLM_WRITER_THREADS", "")
-    return int(value) if value.isdigit() and int(value) > 0 else 1
-
-
-def _pinned_host_stats() -> dict[str, float]:
-    """Growth of torch's pinned host memory pool in this process so far (zeros without CUDA).
-
-    Per-token captures land in pinned blocks, and prompt captures written out early hold
-    theirs until the writer is done, so a capture-heavy run may need new blocks; making one
-    (``cudaHostAlloc``) is slow.  The benchmarks difference these counters per run.
-    """
-    stats = torch.cuda.host_memory_stats() if torch.cuda.is_available() else {}
-    return {
-        "blocks_made": int(stats.get("num_host_alloc", 0)),
-        "alloc_seconds": round(stats.get("host_alloc_time.total", 0) / 1e6, 4),  # reported in microseconds
-        "bytes_held": int(stats.get("allocated_bytes.current", 0)),
-    }
+        return WorkerStatus(
+            sites=[site.name for site in self.sites],
+            fired=[fired[site.index] for site in self.sites],
+            buffer_bytes=self.runtime.memory_bytes(),
+            vectors=len(self.bank_rows),
+            max_requests_steered_in_one_step=steered,
+            pending_results=len(self.results),
+            live_requests=len(self.live),
+            collects=self.router.collect,
+            steps=self.steps,
+            resumed_after_preemption=self.resumed,
+            written_early=self.packer.written_early,
+            host_seconds=self.host_time.report(),
+            pinned_host=pinned_host_stats(),
+        ).encode()
 
 
 def _holds(inner: Any, site: Site) -> bool:
@@ -418,8 +283,8 @@ def verify_hooks_fired(worker: Any) -> None:
 
 def _settings(worker: Any) -> dict[str, Any] | None:
     extra = getattr(worker.vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and isinstance(extra.get(CONFIG_KEY), dict):
-        return extra[CONFIG_KEY]
+    if isinstance(extra, dict) and isinstance(extra.get(TAG), dict):
+        return extra[TAG]
     return None
 
 
@@ -438,8 +303,8 @@ class TLWorkerExtension:
     def tlvllm_put_vectors(self, blob: bytes, evict: list[str] | tuple[str, ...] = ()) -> int:
         return self._tl_controller().put_vectors(blob, evict)
 
-    def tlvllm_fetch(self, wanted: list[list[Any]], ticket: list[str] | None = None) -> list[dict[str, Any] | None]:
+    def tlvllm_fetch(self, wanted: list[list[Any]], ticket: list[str] | None = None) -> list[Any] | None:
         return self._tl_controller().fetch(wanted, ticket)
 
-    def tlvllm_status(self) -> dict[str, Any]:
+    def tlvllm_status(self) -> Any:
         return self._tl_controller().status()

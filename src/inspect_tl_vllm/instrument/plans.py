@@ -1,5 +1,5 @@
 """What a worker keeps for one instrumented request: its steering items, its captures and
-their position scopes, resolved from the wire spec the front end sent.
+their position scopes, resolved from the ``wire.RequestWire`` the front end sent.
 
 The step router (``routing.py``) gives each request and each steering item an integer
 *slot*; per-step counters live in the router's arrays under those slots, so a decode step
@@ -16,7 +16,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from inspect_tl_vllm.specs import MAX_COEF, MAX_POSITION
+from inspect_tl_vllm.instrument.pooling import MODES
+from inspect_tl_vllm.specs import CAPTURE_DTYPES, MAX_COEF, MAX_POSITION
+from inspect_tl_vllm.wire import InterventionReceipt, Receipt, RequestWire
 
 OP_STAGES = {  # op -> (mult, add, proj) as functions of coef
     "add": lambda c: (1.0, c, 0.0),
@@ -25,8 +27,6 @@ OP_STAGES = {  # op -> (mult, add, proj) as functions of coef
     "ablate": lambda c: (1.0, 0.0, c),
 }
 SCOPE_CODES = {"all": 0, "prompt": 1, "generated": 2, "listed": 3}
-POOLED = ("mean", "last", "max_norm")  # reductions computed on the device
-CAPTURE_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass
@@ -161,23 +161,23 @@ class RequestState:
 
     @property
     def pooled(self) -> bool:
-        return bool(self.capture) and self.reduce in POOLED
+        return bool(self.capture) and self.reduce in MODES
 
-    def receipt(self) -> dict[str, Any]:
-        return {
-            "interventions": [
-                {
-                    "index": s.index,
-                    "label": s.label,
-                    "rows": s.rows,
-                    "mean_norm_change": (s.norm_delta_sum / s.rows) if s.rows else 0.0,
-                    "fired": s.fired,
-                }
+    def receipt(self) -> Receipt:
+        return Receipt(
+            interventions=[
+                InterventionReceipt(
+                    index=s.index,
+                    label=s.label,
+                    rows=s.rows,
+                    mean_norm_change=(s.norm_delta_sum / s.rows) if s.rows else 0.0,
+                    fired=s.fired,
+                )
                 for s in self.steer
             ],
-            "captures": {c.hook: self.captured_rows(c) for c in self.capture},
-            "error": self.error,
-        }
+            captures={c.hook: self.captured_rows(c) for c in self.capture},
+            error=self.error,
+        )
 
     def captured_rows(self, item: CaptureItem) -> int:
         if self.reduce == "none":
@@ -214,16 +214,17 @@ def finish_pooled(state: RequestState, max_pos: int) -> dict[str, np.ndarray]:
 
 
 def plan_request(
-    wire: dict[str, Any],
+    wire: RequestWire,
     prompt_len: int,
     bank_rows: dict[str, int],
     sites: set[int],
     max_stack: int,
     owned_sites: set[int] | None = None,
 ) -> RequestState:
-    """Turn a request's wire spec (built by the front end) into worker-side state.
+    """Turn a request's wire spec (built by the front end, its types checked by
+    ``RequestWire.decode``) into worker-side state.
 
-    The wire is checked again here, against this worker's own tables (``sites``: every hook
+    The values are checked again here, against this worker's own tables (``sites``: every hook
     site of the engine; ``max_stack``; the vector bank): whatever reaches the per-step routing
     must be in range, since a failure there would stop every request in the batch.  A bad wire
     raises ``ValueError`` or ``KeyError`` for this request alone.  ``owned_sites`` (pipeline
@@ -234,43 +235,40 @@ def plan_request(
         return owned_sites is None or site in owned_sites
 
     steer = []
-    for index, item in enumerate(wire.get("steer") or []):
-        site, stage = _site(item["site"], sites), int(item["stage"])
+    for index, item in enumerate(wire.steer):
+        site, stage = _site(item.site, sites), item.stage
         if not 0 <= stage < max_stack:
             raise ValueError(f"steering item {index}: stage {stage} is outside 0..{max_stack - 1}")
-        if item["op"] not in OP_STAGES:
-            raise ValueError(f"steering item {index}: unknown op {item['op']!r}")
-        coef = float(item["coef"])
-        if not abs(coef) <= MAX_COEF:
-            raise ValueError(f"steering item {index}: coef {coef} is not within +-{MAX_COEF:g}")
-        vector = item.get("vector")
-        if vector is not None and vector not in bank_rows:
-            raise KeyError(f"vector {vector} was not uploaded to this worker")
-        scope = Scope.resolve(item["positions"], prompt_len)
+        if item.op not in OP_STAGES:
+            raise ValueError(f"steering item {index}: unknown op {item.op!r}")
+        if not abs(item.coef) <= MAX_COEF:
+            raise ValueError(f"steering item {index}: coef {item.coef} is not within +-{MAX_COEF:g}")
+        if item.vector is not None and item.vector not in bank_rows:
+            raise KeyError(f"vector {item.vector} was not uploaded to this worker")
+        scope = Scope.resolve(item.positions, prompt_len)
         if not owned(site):
             continue
-        bank_row = bank_rows[vector] if vector is not None else 0
-        stage_row = np.array([bank_row, *OP_STAGES[item["op"]](coef)], dtype=np.float32)
-        steer.append(
-            SteerItem(index=index, label=str(item["label"]), site=site, stage=stage, stage_row=stage_row, scope=scope)
-        )
-    state = RequestState(uid=str(wire["uid"]), prompt_len=prompt_len, steer=steer, capture=[])
-    cap = wire.get("capture")
-    if cap:
-        hooks = [(str(name), _site(site, sites)) for name, site in cap["hooks"]]
+        bank_row = bank_rows[item.vector] if item.vector is not None else 0
+        stage_row = np.array([bank_row, *OP_STAGES[item.op](item.coef)], dtype=np.float32)
+        steer.append(SteerItem(index=index, label=item.label, site=site, stage=stage, stage_row=stage_row, scope=scope))
+    state = RequestState(uid=wire.uid, prompt_len=prompt_len, steer=steer, capture=[])
+    cap = wire.capture
+    if cap is not None:
+        hooks = [(name, _site(site, sites)) for name, site in cap.hooks]
         state.capture = [CaptureItem(hook=name, site=site) for name, site in hooks if owned(site)]
-        state.capture_scope = Scope.resolve(cap["positions"], prompt_len)
-        if cap["reduce"] not in (*POOLED, "none") or cap["dtype"] not in CAPTURE_DTYPES:
-            raise ValueError(f"capture: unknown reduce {cap['reduce']!r} or dtype {cap['dtype']!r}")
-        state.reduce = cap["reduce"]
-        state.dtype = cap["dtype"]
-        state.max_bytes = int(cap["max_bytes"])
-        state.handoff = cap.get("handoff")
+        state.capture_scope = Scope.resolve(cap.positions, prompt_len)
+        if cap.reduce not in (*MODES, "none") or cap.dtype not in CAPTURE_DTYPES:
+            raise ValueError(f"capture: unknown reduce {cap.reduce!r} or dtype {cap.dtype!r}")
+        if cap.max_bytes < 0:
+            raise ValueError(f"capture: max_bytes {cap.max_bytes} is negative")
+        state.reduce = cap.reduce
+        state.dtype = cap.dtype
+        state.max_bytes = cap.max_bytes
+        state.handoff = cap.handoff
     return state
 
 
-def _site(value: Any, sites: set[int]) -> int:
-    site = int(value)
+def _site(site: int, sites: set[int]) -> int:
     if site not in sites:
         raise ValueError(f"hook site {site} does not exist in this engine")
     return site

@@ -32,14 +32,9 @@ from inspect_ai.model import (
 from inspect_ai.tool import ToolChoice, ToolInfo
 
 from inspect_tl_vllm.aliases import resolve_model
-from inspect_tl_vllm.engine.frontend import (
-    CaptureResult,
-    PreparedRequest,
-    max_input_position,
-    merge_fetched,
-    sampling_fields,
-    vllm_prompt,
-)
+from inspect_tl_vllm.engine import lifecycle
+from inspect_tl_vllm.engine.construct import InstrumentedLLM, cpu_defaults
+from inspect_tl_vllm.engine.frontend import CaptureResult, PreparedRequest, sampling_fields, vllm_prompt
 from inspect_tl_vllm.provider import carry_over as _carry_over  # noqa: F401 (registers the eval-retry hook)
 from inspect_tl_vllm.provider.active import ActiveSample, active_sample
 from inspect_tl_vllm.provider.engine_pool import EngineThread, shared_engine
@@ -47,6 +42,7 @@ from inspect_tl_vllm.provider.model_args import parse_model_args
 from inspect_tl_vllm.provider.sample_spec import METADATA_KEY
 from inspect_tl_vllm.provider.tool_calls import parse_tool_calls
 from inspect_tl_vllm.specs import TAG, RequestSpec, SpecError, parse_request_spec
+from inspect_tl_vllm.wire import FetchedResult
 
 logger = logging.getLogger(__name__)
 
@@ -72,20 +68,18 @@ class TLVLLMAPI(ModelAPI):
             # and never reads max_connections(); continuous batching wants the scheduler kept full.
             # ``config`` is the Model's own, which Inspect's sample limit also reads.
             config.max_connections = DEFAULT_CONNECTIONS
-        from inspect_tl_vllm.engine.api import cpu_defaults
-
         self.settings = parse_model_args(model_args)
         self.model_path = resolve_model(model_name)
         # Inspect's output cache keys on base_url: make it name the run-wide steering, so a
         # cached unsteered answer is never returned for a steered run or the reverse.
         self.base_url = f"tl-vllm:{self.settings.fingerprint(self.model_path)}"
         engine_kwargs = cpu_defaults(self.settings.engine)
-        self.engine = shared_engine(
+        self.engine_thread = shared_engine(
             self.settings.engine_key(self.model_path),
             lambda: EngineThread(self.model_path, self.settings.instrument, engine_kwargs),
         )
-        if self.settings.boot == "eager" and not self.engine.booted:
-            self.engine.boot_now()
+        if self.settings.boot == "eager" and not self.engine_thread.booted:
+            self.engine_thread.boot_now()
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
@@ -108,28 +102,28 @@ class TLVLLMAPI(ModelAPI):
         tool_choice: ToolChoice,
         config: GenerateConfig,
     ) -> tuple[ModelOutput, ModelCall]:
-        core = await self.engine.core()
+        instrumented = await self.engine_thread.instrumented()
         active = active_sample()
         where = f"sample {active.sample.id!r} (epoch {active.epoch})" if active else "request"
         spec = self._spec_for(active, config, where)
         prompt_ids = self._prompt_ids(input, tools)
-        max_len = core.engine.model_config.max_model_len
+        max_len = instrumented.llm.model_config.max_model_len
         if len(prompt_ids) >= max_len:
             raise SpecError(
                 f"{where}: prompt has {len(prompt_ids)} tokens but max_model_len is {max_len}; "
                 "shorten the input or raise -M max_model_len"
             )
         max_tokens = min(config.max_tokens or max_len, max_len - len(prompt_ids))
-        runs = self._runs(core, spec, config, len(prompt_ids), max_tokens, where)
+        runs = self._runs(instrumented, spec, config, len(prompt_ids), max_tokens, where)
         if spec is not None and spec.capture is not None and active is not None:
             self._activations_dir(active)  # fail before generation if it cannot be written
         from vllm.v1.engine.exceptions import EngineDeadError
 
         started = time.perf_counter()  # after the boot: a sample's time is its own generation
         try:
-            results = await self.engine.run(lambda: self._run_all(core, prompt_ids, runs))
+            results = await self.engine_thread.run(lambda: self._run_all(instrumented, prompt_ids, runs))
         except EngineDeadError as err:
-            self.engine.discard(core)
+            self.engine_thread.discard(instrumented)
             raise RuntimeError(
                 f"{where}: the vLLM engine died ({err}). Samples completed before this point kept their "
                 "activations on disk; finish the rest with `inspect eval-retry <log>` (a new engine boots)."
@@ -137,12 +131,16 @@ class TLVLLMAPI(ModelAPI):
         output = self._model_output([final for final, _ in results], len(prompt_ids), tools, config)
         prepared = [request for _, request in runs]
         if prepared[0] is not None:
-            record = self._record(core, results[0][1], prepared[0], active, where)
-            if len(runs) > 1:  # every choice is steered and checked; the first one's capture is stored
-                record["choices"] = [record["receipt"]] + [
-                    self._checked(core, payload, f"{where} choice {i}").receipt if request is not None else {}
-                    for i, ((_, payload), request) in enumerate(zip(results[1:], prepared[1:], strict=True), 1)
-                ]
+            front = instrumented.instrumentation
+            # every choice is steered and checked (raises: never score an unsteered answer as
+            # steered); the first one's capture is stored
+            checked = [
+                lifecycle.decode(front, payload, where if i == 0 else f"{where} choice {i}")
+                for i, (_, payload) in enumerate(results)
+            ]
+            record = self._record(checked[0], prepared[0], active, where)
+            if len(runs) > 1:
+                record["choices"] = [result.receipt for result in checked]
             output.metadata = {TAG: record}
         call = ModelCall.create(
             request={
@@ -173,7 +171,13 @@ class TLVLLMAPI(ModelAPI):
         return None if spec.empty else spec
 
     def _runs(
-        self, core: Any, spec: RequestSpec | None, config: GenerateConfig, prompt_len: int, max_tokens: int, where: str
+        self,
+        instrumented: InstrumentedLLM,
+        spec: RequestSpec | None,
+        config: GenerateConfig,
+        prompt_len: int,
+        max_tokens: int,
+        where: str,
     ) -> list[tuple[Any, PreparedRequest | None]]:
         """The vLLM requests behind one call, with their sampling params.
 
@@ -182,7 +186,7 @@ class TLVLLMAPI(ModelAPI):
         sample stores one set of activations.  A seed gives choice i the seed + i, as vLLM seeds
         the children of one request."""
         choices = config.num_choices or 1
-        front = core.instrumentation
+        front = instrumented.instrumentation
         if spec is None:
             return [(self._sampling_params(config, max_tokens, None, n=choices), None)]
         steer_only = RequestSpec(interventions=spec.interventions)
@@ -244,48 +248,44 @@ class TLVLLMAPI(ModelAPI):
         return SamplingParams(**args, **sampling_fields(prepared), skip_clone=True)
 
     async def _run_all(
-        self, core: Any, prompt_ids: list[int], runs: list[tuple[Any, PreparedRequest | None]]
-    ) -> list[tuple[Any, Any]]:
+        self, instrumented: InstrumentedLLM, prompt_ids: list[int], runs: list[tuple[Any, PreparedRequest | None]]
+    ) -> list[tuple[Any, FetchedResult | None]]:
         """Every request of one call, concurrently; the first failure is raised once all are done."""
         if len(runs) == 1:
-            return [await self._run(core, prompt_ids, *runs[0])]
+            return [await self._run(instrumented, prompt_ids, *runs[0])]
         results = await asyncio.gather(
-            *(self._run(core, prompt_ids, params, request) for params, request in runs), return_exceptions=True
+            *(self._run(instrumented, prompt_ids, params, request) for params, request in runs),
+            return_exceptions=True,
         )
         for result in results:
             if isinstance(result, BaseException):
                 raise result
         return list(results)
 
-    async def _run(self, core: Any, prompt_ids: list[int], params: Any, prepared: PreparedRequest | None) -> Any:
-        """On the engine loop: upload new vectors, run the request, fetch its captures."""
-        engine = core.engine
-        prompt = vllm_prompt(prompt_ids, prepared, rendered=True)
-        front = core.instrumentation
+    async def _run(
+        self, instrumented: InstrumentedLLM, prompt_ids: list[int], params: Any, prepared: PreparedRequest | None
+    ) -> tuple[Any, FetchedResult | None]:
+        """On the engine loop: upload new vectors, run the request, fetch what the workers hold for it."""
+        llm, front = instrumented.llm, instrumented.instrumentation
         if prepared is not None and prepared.vectors:
-            assert self.engine.upload_lock is not None
-            async with self.engine.upload_lock:
-                upload = front.pending_upload([prepared])
-                if upload is not None:
-                    await engine.collective_rpc("tlvllm_put_vectors", args=(upload.blob, upload.evict))
-                front.hold([prepared], upload)
+            assert self.engine_thread.upload_lock is not None
+            async with self.engine_thread.upload_lock:
+                await lifecycle.run_async(lifecycle.upload(front, [prepared]), llm)
         final = None
         try:
-            async for out in engine.generate(prompt, params, request_id=uuid.uuid4().hex):
+            async for out in llm.generate(
+                vllm_prompt(prompt_ids, prepared, rendered=True), params, request_id=uuid.uuid4().hex
+            ):
                 final = out
         except BaseException:  # cancelled (a sample limit, a failed eval) or failed: vLLM aborted it
-            if prepared is not None:
-                self.engine.spawn(_discard(core, prepared))  # the cancelled caller cannot wait for it
+            if prepared is not None:  # the cancelled caller cannot wait for this
+                self.engine_thread.spawn(lifecycle.run_async(lifecycle.discard(front, [prepared]), llm))
             raise
-        payload = None
-        if prepared is not None:
-            generated = max(len(c.token_ids) for c in final.outputs)
-            wanted = [[prepared.uid, max_input_position(len(prompt_ids), generated)]]
-            try:
-                payload = merge_fetched(await engine.collective_rpc("tlvllm_fetch", args=front.fetch_args(wanted)))[0]
-            finally:
-                front.release([prepared])
-        return final, payload
+        if prepared is None:
+            return final, None
+        generated = max(len(c.token_ids) for c in final.outputs)
+        payloads = await lifecycle.run_async(lifecycle.fetch(front, [(prepared, len(prompt_ids), generated)]), llm)
+        return final, payloads[0]
 
     # -- results ---------------------------------------------------------------------------
     def _model_output(
@@ -339,15 +339,9 @@ class TLVLLMAPI(ModelAPI):
     def _token_text(self, token_id: int, logprob: Any) -> str:
         return logprob.decoded_token if logprob.decoded_token is not None else self.tokenizer.decode([token_id])
 
-    def _checked(self, core: Any, payload: Any, where: str) -> CaptureResult:
-        result = core.instrumentation.decode(payload, where)
-        result.check(where)  # raises: never score an unsteered answer as steered
-        return result
-
     def _record(
-        self, core: Any, payload: Any, prepared: PreparedRequest, active: ActiveSample | None, where: str
+        self, result: CaptureResult, prepared: PreparedRequest, active: ActiveSample | None, where: str
     ) -> dict[str, Any]:
-        result = self._checked(core, payload, where)
         record: dict[str, Any] = {"receipt": result.receipt}
         if result.activations:
             summary = {
@@ -389,17 +383,6 @@ class TLVLLMAPI(ModelAPI):
             check_writable(directory)
             self._writable_dirs.add(directory)
         return directory
-
-
-async def _discard(core: Any, prepared: PreparedRequest) -> None:
-    """Take back what the workers hold for a request that did not finish; a failure is logged,
-    as ``Engine._discard`` logs it (the engine may be what failed)."""
-    front = core.instrumentation
-    front.release([prepared])
-    try:
-        front.discard(await core.engine.collective_rpc("tlvllm_fetch", args=front.discard_args([prepared])))
-    except Exception as err:
-        logger.warning(f"tl-vllm: could not release the cancelled request's results in the workers: {err}")
 
 
 def _sampling_summary(params: Any) -> dict[str, Any]:

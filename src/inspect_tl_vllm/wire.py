@@ -1,0 +1,105 @@
+"""What crosses the process boundary between the front end and the workers, defined once.
+
+Three messages travel:
+
+- ``RequestWire``: a request's steering and capture, resolved to site numbers and vector
+  hashes (``engine/frontend.py`` builds it), in ``SamplingParams.extra_args["tlvllm"]``; the
+  worker turns it into its per-request state (``instrument/plans.py``).
+- ``FetchedResult``: what ``tlvllm_fetch`` answers per request (``engine/worker.py`` builds it,
+  the front end decodes it): the ``Receipt``, captured rows as safetensors bytes or hand-off
+  file names, and the positions of per-token rows.
+- ``WorkerStatus``: one worker's counters (``tlvllm_status``).
+
+vLLM carries these through msgpack (its engine-core messages and utility results) without type
+information, so each side sends plain builtins (``encode``) and the other rebuilds the typed
+structure (``decode``), which checks every field's type: a malformed message is a
+``ValueError`` for that message alone.  The ranges that depend on the engine (site numbers,
+stack depth, vector rows) are checked by the worker against its own tables.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+import msgspec
+
+PositionsWire = str | list[int]
+"""A position scope as specs.PositionScope writes it: a scope name or a list of positions."""
+
+T = TypeVar("T", bound="Message")
+
+
+class Message(msgspec.Struct, forbid_unknown_fields=True):
+    """A typed message with its plain-builtins form."""
+
+    def encode(self) -> Any:
+        return msgspec.to_builtins(self, builtin_types=(bytes,))
+
+    @classmethod
+    def decode(cls: type[T], raw: Any) -> T:
+        """The message ``raw`` (plain builtins) holds; ``msgspec.ValidationError`` (a ``ValueError``)
+        naming the first field of the wrong type."""
+        return msgspec.convert(raw, cls)
+
+
+class SteerWire(Message):
+    label: str  # "interventions[i] op at hook", for receipts and errors
+    site: int
+    stage: int  # its place among the interventions at the same site
+    op: str
+    coef: float
+    vector: str | None  # content hash of an uploaded vector
+    positions: PositionsWire
+
+
+class CaptureWire(Message):
+    hooks: list[tuple[str, int]]  # (hook point, site)
+    positions: PositionsWire
+    reduce: str
+    dtype: str
+    max_bytes: int
+    handoff: list[str] | None  # the front end's hand-off ticket, for per-token rows (handoff.py)
+
+
+class RequestWire(Message):
+    uid: str
+    steer: list[SteerWire]
+    capture: CaptureWire | None
+
+
+class InterventionReceipt(Message):
+    index: int  # place in the request's intervention list (pipeline stages' receipts merge by it)
+    label: str
+    rows: int
+    mean_norm_change: float
+    fired: bool
+
+
+class Receipt(Message):
+    interventions: list[InterventionReceipt]
+    captures: dict[str, int]  # hook point -> rows captured
+    error: str | None
+
+
+class FetchedResult(Message):
+    uid: str
+    receipt: Receipt
+    positions: dict[str, list[int]]  # per-token captures: each hook's positions
+    tensors: bytes  # safetensors bytes of the rows that travel with the answer (b"": none)
+    files: list[str]  # hand-off files holding the other rows
+
+
+class WorkerStatus(Message):
+    sites: list[str]
+    fired: list[int]
+    buffer_bytes: int
+    vectors: int
+    max_requests_steered_in_one_step: int
+    pending_results: int
+    live_requests: int
+    collects: bool  # whether this worker records captures and receipts (tensor-parallel rank 0)
+    steps: int
+    resumed_after_preemption: int
+    written_early: int
+    host_seconds: dict[str, float]
+    pinned_host: dict[str, float]
