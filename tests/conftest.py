@@ -11,6 +11,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -28,6 +29,8 @@ TINY = {
 
 TINY_MODEL_ARGS_CLI = ["-M", "enforce_eager=true", "-M", "dtype=float32", "-M", "max_model_len=256"]
 """`-M` flags for an eager fp32 engine on the tiny model, as the command lines take them."""
+PROVIDER_ARGS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "seed": 0}
+"""Model args of an eager fp32 provider engine on the tiny model (``provider_model_args``)."""
 
 
 def eval_spec(eval_id: str, model_args: dict | None = None):
@@ -118,6 +121,54 @@ def boot_engine(model: Path | str, *, compiled: bool = False, **kwargs: object):
     # Eager engines also skip the sampler's own torch.compile (17 s of C++ builds on CPU).
     with environment(TORCH_COMPILE_DISABLE=None if compiled else "1"):
         return boot(str(model), **settings)
+
+
+@contextlib.contextmanager
+def booted_engine(model: Path | str, *, env: dict[str, str] | None = None, **kwargs: object) -> Iterator[Any]:
+    """An engine of one test's own (``boot_engine``'s settings and ``kwargs``), booted with the
+    environment variables ``env`` set and shut down when the block ends."""
+    with environment(**(env or {})):
+        engine = boot_engine(model, **kwargs)
+    try:
+        yield engine
+    finally:
+        engine.llm.llm_engine.engine_core.shutdown()
+
+
+@contextlib.contextmanager
+def provider_model_args(**extra: object) -> Iterator[dict[str, Any]]:
+    """``PROVIDER_ARGS`` plus ``extra`` for ``eval(model_args=...)``; while the block runs the
+    engine, which boots inside the first eval(), skips torch.compile."""
+    with environment(TORCH_COMPILE_DISABLE="1"):
+        yield {**PROVIDER_ARGS, **extra}
+
+
+def engine_key(model_dir: Path, args: dict[str, Any]) -> str:
+    """The provider's engine pool key for the tiny model under the model args ``args``."""
+    from inspect_tl_vllm.aliases import resolve_model
+    from inspect_tl_vllm.provider.model_args import parse_model_args
+
+    return parse_model_args(args).engine_key(resolve_model(str(model_dir)))
+
+
+async def engine_thread_status(engine_thread: Any) -> dict[str, Any]:
+    """A provider engine's merged ``tlvllm_status`` (booting it first if need be)."""
+    from inspect_tl_vllm.engine.frontend import merge_status
+
+    instrumented = await engine_thread.instrumented()
+    return merge_status(await engine_thread.run(lambda: instrumented.llm.collective_rpc("tlvllm_status")))
+
+
+def cpu_hook_runtime(hidden_size: int):
+    """The hook buffers of one site (index 0) on the CPU, for driving the step router without an engine."""
+    import torch
+
+    from inspect_tl_vllm.instrument.runtime import HookRuntime
+
+    return HookRuntime(
+        site_indices=[0], hidden_size=hidden_size, max_tokens=16, max_stack=1, max_vectors=1,
+        device=torch.device("cpu"), act_dtype=torch.float32,
+    )  # fmt: skip
 
 
 @pytest.fixture(scope="session")

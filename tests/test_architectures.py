@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import TINY, boot_engine, build_tiny_model
+from conftest import TINY, booted_engine, build_tiny_model
 from hf_reference import hf_activations, hf_greedy, load_hf
 
 pytestmark = pytest.mark.engine
@@ -45,8 +45,7 @@ def build_tiny(architecture: str, target: Path, tokenizer_dir: Path) -> Path:
 @pytest.mark.parametrize("architecture", sorted(CONFIGS))
 def test_architecture_fidelity_and_steering(architecture, tmp_path, vllm_ready, smollm2_dir):
     path = build_tiny(architecture, tmp_path / architecture, smollm2_dir)
-    engine = boot_engine(path, instrument={"hook_points": ["all"]})
-    try:
+    with booted_engine(path, instrument={"hook_points": ["all"]}) as engine:
         hf = load_hf(path)
         hooks = list(engine.core.instrumentation.sites)
         out = engine.generate("Once upon a time", max_tokens=4, capture={"hooks": hooks})[0]
@@ -61,5 +60,3 @@ def test_architecture_fidelity_and_steering(architecture, tmp_path, vllm_ready, 
         steered = engine.generate("Once upon a time", max_tokens=12, steering=steer)[0]
         expected = hf_greedy(hf, out.prompt_token_ids, 12, edit=lambda h: h + 3.0 * vector, layer=1)
         assert steered.token_ids == expected
-    finally:
-        engine.llm.llm_engine.engine_core.shutdown()

@@ -91,12 +91,12 @@ def test_refused_engine_args_fail_when_the_model_is_constructed(
 
     from inspect_tl_vllm.provider import engine_pool
 
-    before = dict(engine_pool._ENGINES)
+    before = engine_pool.engines()
     value = json.dumps(engine_args) if as_json else engine_args  # -M engine_args='{...}' arrives as text
     with pytest.raises(SpecError) as raised:
         get_model(f"tl-vllm/{model_folder}", engine_args=value)
     assert names in str(raised.value) and explains in str(raised.value)
-    assert before == engine_pool._ENGINES  # refused before an engine (even a lazy one) was set up
+    assert engine_pool.engines() == before  # refused before an engine (even a lazy one) was set up
 
 
 def test_plugin_exclusion_fails_when_the_model_is_constructed(

@@ -203,7 +203,7 @@ def _front_end(model_dir: str, info_file: Path) -> None:
     from inspect_ai.model import get_model
 
     model = get_model(f"tl-vllm/{model_dir}", boot="eager", dtype="float32", max_model_len=256, seed=0)
-    core = asyncio.run(model.api.engine.core())
+    core = asyncio.run(model.api.engine_thread.instrumented())
     partial = info_file.with_suffix(".tmp")
     partial.write_text(json.dumps({"pid": os.getpid(), "handoff": str(core.instrumentation.handoff.path)}))
     partial.rename(info_file)  # the test never reads a half-written file

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import boot_engine, environment
+from conftest import booted_engine
 
 pytestmark = pytest.mark.engine
 HOOKS = [
@@ -51,15 +51,13 @@ def reference(tiny_engine):
 @pytest.mark.parametrize("layout", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
 def test_parallel_workers_match_one_worker(vllm_ready, tiny_llama_dir, reference, layout):
     # vLLM's CPU workers bind OpenMP threads per rank; with one NUMA node the cores are named.
-    with environment(VLLM_CPU_OMP_THREADS_BIND="0|1"):
-        engine = boot_engine(tiny_llama_dir, instrument={"hook_points": ["all"], "max_stack": 2}, **layout)
-    try:
+    binding = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    instrument = {"hook_points": ["all"], "max_stack": 2}
+    with booted_engine(tiny_llama_dir, env=binding, instrument=instrument, **layout) as engine:
         status = engine.status()
         assert status["workers"] == 2
         assert len(status["sites"]) == len(set(status["sites"])) == 14  # every site recorded exactly once
         got = engine.generate(PROMPTS, specs=specs(), max_tokens=8)
-    finally:
-        engine.llm.llm_engine.engine_core.shutdown()
     for mine, theirs in zip(got, reference, strict=True):
         assert mine.token_ids == theirs.token_ids
         assert mine.receipt["captures"] == theirs.receipt["captures"]

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import cpu_hook_runtime
 from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope, SteerItem, finish_pooled
 from inspect_tl_vllm.instrument.routing import StepRouter
-from inspect_tl_vllm.instrument.runtime import HookRuntime
 
 WIDTH = 8
 
@@ -29,10 +29,7 @@ def pooled_state(reduce: str, prompt_len: int) -> RequestState:
 def run_steps(reduce: str, steps: list[tuple[torch.Tensor, list[int], list[int], list[int]]]) -> list[RequestState]:
     """Per step: the staging rows the hook would have written, then the batch index of each
     request, the row offsets and the computed-token counts, as the worker passes them."""
-    runtime = HookRuntime(
-        site_indices=[0], hidden_size=WIDTH, max_tokens=16, max_stack=1, max_vectors=1,
-        device=torch.device("cpu"), act_dtype=torch.float32,
-    )  # fmt: skip
+    runtime = cpu_hook_runtime(WIDTH)
     router = StepRouter(runtime)
     states = [pooled_state(reduce, 3), pooled_state(reduce, 2)]
     for state in states:
@@ -86,10 +83,7 @@ def test_receipts_sum_on_the_device_and_prove_the_hook_ran(hook_runs: bool) -> N
     """Receipts are summed on the device: rows per request, their norm changes (what the hook
     wrote to ``norm_delta``), and ``fired`` only if the site's counter moved while the
     request was live.  Request a retires after two steps; b is read while still live."""
-    runtime = HookRuntime(
-        site_indices=[0], hidden_size=WIDTH, max_tokens=16, max_stack=1, max_vectors=1,
-        device=torch.device("cpu"), act_dtype=torch.float32,
-    )  # fmt: skip
+    runtime = cpu_hook_runtime(WIDTH)
     router = StepRouter(runtime)
     a, b = steered_state("a", 3), steered_state("b", 2)
     for state in (a, b):

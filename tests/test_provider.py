@@ -15,7 +15,7 @@ from inspect_ai.model import GenerateConfig
 from inspect_ai.scorer import exact
 from inspect_ai.solver import generate
 
-from conftest import TINY_MODEL_ARGS_CLI, environment
+from conftest import TINY_MODEL_ARGS_CLI, engine_key, engine_thread_status, provider_model_args
 
 pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parent.parent
@@ -25,15 +25,8 @@ HOOK = "blocks.2.hook_resid_post"
 
 @pytest.fixture(scope="module")
 def provider_args(vllm_ready, tiny_llama_dir):
-    with environment(TORCH_COMPILE_DISABLE="1"):  # the engine boots inside the first eval()
-        yield {
-            "enforce_eager": True,
-            "dtype": "float32",
-            "max_model_len": 256,
-            "seed": 0,
-            "capture": HOOK,
-            "capture_reduce": "none",
-        }
+    with provider_model_args(capture=HOOK, capture_reduce="none") as args:
+        yield args
 
 
 def run_eval(tiny_llama_dir, args, samples, log_dir, **kwargs):
@@ -102,7 +95,7 @@ def test_logprobs_stop_sequences_and_engine_reuse(provider_args, tiny_llama_dir,
     assert stop not in choice.message.text and text.startswith(choice.message.text)
     assert choice.stop_reason == "stop"
     assert choice.logprobs is not None and len(choice.logprobs.content[0].top_logprobs) >= 2
-    booted = [key for key, engine in engine_pool._ENGINES.items() if engine.booted]
+    booted = [key for key, engine in engine_pool.engines().items() if engine.booted]
     assert len(booted) == 1, "successive evals with the same settings must share one engine"
 
 
@@ -260,7 +253,7 @@ def test_concurrent_first_requests_boot_one_engine(provider_args, tiny_llama_dir
     samples = [Sample(id=f"c{i}", input=q) for i, q in enumerate(QUESTIONS)]
     log = run_eval(tiny_llama_dir, args, samples, tmp_path, max_connections=4)
     assert log.status == "success"
-    [engine] = [e for e in engine_pool._ENGINES.values() if e._kwargs.get("max_num_seqs") == 7]
+    engine = engine_pool.engines()[engine_key(tiny_llama_dir, args)]
     assert engine.boots == 1, f"{engine.boots} engines booted for one set of settings"
 
 
@@ -271,9 +264,9 @@ def test_eager_boot_starts_the_engine_before_any_request(provider_args, tiny_lla
     with pytest.raises(SpecError, match="-M boot='soon'"):
         TLVLLMAPI(str(tiny_llama_dir), boot="soon")
     lazy = TLVLLMAPI(str(tiny_llama_dir), **{**provider_args, "max_num_seqs": 3})
-    assert not lazy.engine.booted  # a model Inspect constructs but never calls costs nothing
+    assert not lazy.engine_thread.booted  # a model Inspect constructs but never calls costs nothing
     eager = TLVLLMAPI(str(tiny_llama_dir), **{**provider_args, "max_num_seqs": 3, "boot": "eager"})
-    assert eager.engine is lazy.engine and eager.engine.booted
+    assert eager.engine_thread is lazy.engine_thread and eager.engine_thread.booted
 
 
 def test_a_cancelled_request_leaves_nothing_in_the_worker(provider_args, tiny_llama_dir):
@@ -283,14 +276,12 @@ def test_a_cancelled_request_leaves_nothing_in_the_worker(provider_args, tiny_ll
 
     from inspect_ai.model import ChatMessageUser
 
-    from inspect_tl_vllm.engine.frontend import merge_status
     from inspect_tl_vllm.provider.api import TLVLLMAPI
 
     model = TLVLLMAPI(str(tiny_llama_dir), **{**provider_args, "max_num_seqs": 5, "boot": "eager"})
 
     async def status() -> dict:
-        core = await model.engine.core()
-        return merge_status(await model.engine.run(lambda: core.engine.collective_rpc("tlvllm_status")))
+        return await engine_thread_status(model.engine_thread)
 
     async def scenario() -> tuple[int, int]:
         pending = (await status())["pending_results"]
@@ -358,8 +349,8 @@ def test_engine_death_fails_samples_clearly_and_the_next_eval_recovers(provider_
 
     first = run_eval(tiny_llama_dir, provider_args, [Sample(id="before", input=QUESTIONS[0])], tmp_path / "a")
     assert first.status == "success"
-    pool_entry = next(e for e in engine_pool._ENGINES.values() if e.booted)
-    process = pool_entry._core.engine.engine_core.resources.engine_manager.processes[0]
+    pool_entry = engine_pool.engines()[engine_key(tiny_llama_dir, provider_args)]
+    process = pool_entry._instrumented.llm.engine_core.resources.engine_manager.processes[0]
     process.kill()
     process.join(timeout=30)
     samples = [Sample(id=f"during{i}", input=q) for i, q in enumerate(QUESTIONS[:2])]
@@ -476,8 +467,8 @@ def test_sample_times_exclude_a_lazy_boot_and_many_samples_run_at_once(provider_
     chosen = get_model(f"tl-vllm/{tiny_llama_dir}", config=GenerateConfig(max_connections=3), **args)
     assert chosen.config.max_connections == 3
     log = run_eval(tiny_llama_dir, args, [Sample(id=f"s{i}", input=q) for i, q in enumerate(QUESTIONS)], tmp_path)
-    key = [k for k, engine in engine_pool._ENGINES.items() if engine.boots and '"max_num_seqs": 5' in k][0]
-    engine = engine_pool._ENGINES.pop(key)
+    key = engine_key(tiny_llama_dir, args)
+    engine = engine_pool.engines()[key]
     try:
         assert engine.boot_seconds > 1.0
         for sample in log.samples:
@@ -485,7 +476,7 @@ def test_sample_times_exclude_a_lazy_boot_and_many_samples_run_at_once(provider_
             call = next(e for e in sample.events if e.event == "model").call
             assert call is not None and call.time == sample.output.time and call.request["prompt_tokens"] > 0
     finally:
-        engine.close()
+        engine_pool.shutdown_engines([key])
 
 
 def test_the_provider_turns_a_tool_call_reply_into_an_assistant_message(provider_args, tiny_llama_dir):

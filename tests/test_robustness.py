@@ -24,7 +24,7 @@ from inspect_ai.dataset import Sample
 from inspect_ai.model import GenerateConfig
 from inspect_ai.solver import Generate, TaskState, generate, solver
 
-from conftest import environment
+from conftest import engine_key, engine_thread_status, provider_model_args
 
 pytestmark = pytest.mark.engine
 CAP = 65536
@@ -48,25 +48,9 @@ def provider_args(vllm_ready, tiny_llama_dir):
     """Engine settings of this module; its engine is shut down at the end, freeing its memory."""
     from inspect_tl_vllm.provider import engine_pool
 
-    args = {
-        "enforce_eager": True,
-        "dtype": "float32",
-        "max_model_len": 256,
-        "seed": 0,
-        "capture_bytes_per_request": CAP,
-    }
-    with environment(TORCH_COMPILE_DISABLE="1"):  # the engine boots inside the first eval()
+    with provider_model_args(capture_bytes_per_request=CAP) as args:
         yield args
-    engine = engine_pool._ENGINES.pop(_engine_key(tiny_llama_dir, args), None)
-    if engine is not None:
-        engine.close()
-
-
-def _engine_key(model_dir: Path, args: dict[str, Any]) -> str:
-    from inspect_tl_vllm.aliases import resolve_model
-    from inspect_tl_vllm.provider.model_args import parse_model_args
-
-    return parse_model_args(args).engine_key(resolve_model(str(model_dir)))
+    engine_pool.shutdown_engines([engine_key(tiny_llama_dir, args)])
 
 
 def vector(seed: int) -> list[float]:
@@ -108,8 +92,8 @@ def kill_engine_once(victim: str, marker: str):
     async def solve(state, generate):
         if state.sample_id == victim and not Path(marker).exists():
             Path(marker).touch()
-            engine = get_model().api.engine
-            process = engine._core.engine.engine_core.resources.engine_manager.processes[0]
+            engine = get_model().api.engine_thread
+            process = engine._instrumented.llm.engine_core.resources.engine_manager.processes[0]
             process.kill()
             process.join(timeout=30)
         return state
@@ -381,7 +365,6 @@ def test_500_concurrent_mixed_samples_match_their_solo_runs(provider_args, tiny_
     import psutil
 
     from inspect_tl_vllm import activations
-    from inspect_tl_vllm.engine.frontend import merge_status
     from inspect_tl_vllm.provider import engine_pool
 
     samples = []
@@ -406,8 +389,8 @@ def test_500_concurrent_mixed_samples_match_their_solo_runs(provider_args, tiny_
     assert log.status == "success", log.error
     assert all(s.error is None for s in log.samples)
 
-    engine = engine_pool._ENGINES[_engine_key(tiny_llama_dir, provider_args)]
-    status = merge_status(asyncio.run(engine.run(lambda: engine._core.engine.collective_rpc("tlvllm_status"))))
+    engine = engine_pool.engines()[engine_key(tiny_llama_dir, provider_args)]
+    status = asyncio.run(engine_thread_status(engine))
     assert status["pending_results"] == 0, "the workers kept per-request state after the eval"
     # the batch really mixed specs (how many share a step depends on how fast Inspect submits them)
     assert status["max_requests_steered_in_one_step"] >= 10, status
@@ -434,7 +417,7 @@ def test_500_concurrent_mixed_samples_match_their_solo_runs(provider_args, tiny_
     assert len(index_lines(directory)) == len(stored) == sum(1 for s in log.samples if s.metadata["spec"] in captures)
     assert_folder_consistent(directory)
 
-    core = engine._core.engine.engine_core.resources.engine_manager.processes[0].pid
+    core = engine._instrumented.llm.engine_core.resources.engine_manager.processes[0].pid
     engine_peak = {p.pid: peak_rss_mib(p.pid) for p in [psutil.Process(core), *psutil.Process(core).children(True)]}
     test_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(

@@ -35,6 +35,21 @@ CHECK = textwrap.dedent(
     table[5, 0] = torch.tensor([1, 1.0, 2.0, 0.0])   # add, then ablate
     table[5, 1] = torch.tensor([3, 1.0, 0.0, 1.0])
     unsteered = [0, 6, 7, 8]
+
+    def by_hand(x):  # the table's stages written out, in float32: a reference independent of both
+        u = bank[3]
+        y = x.clone()
+        y[1] = x[1] + 3.0 * bank[1]
+        y[2] = 2.5 * x[2]
+        y[3] = 4.0 * bank[2]
+        y[4] = x[4] - (x[4] @ u) * u
+        y[5] = x[5] + 2.0 * bank[1]
+        y[5] = y[5] - (y[5] @ u) * u
+        return y
+
+    def rel(a, b):
+        return ((a.float() - b).abs().max() / b.abs().max()).item()
+
     report = {}
     for dtype in ("float32", "bfloat16"):
         hidden = torch.randn(rows, width).to(getattr(torch, dtype))
@@ -49,8 +64,13 @@ CHECK = textwrap.dedent(
                 out, res_out = fn(hidden, res, table, bank, staging, delta, fired)
                 results.append((out, res_out, staging, delta, fired))
             (out, res_out, staging, delta, fired), (ref, ref_res, _, ref_delta, _) = results
+            x = hidden.float() if res is None else (hidden.float() + res.float()).to(hidden.dtype).float()
+            want = by_hand(x)
             report[f"{dtype}-{'residual' if res is not None else 'plain'}"] = {
                 "unsteered_identical": torch.equal(out[unsteered], ref[unsteered]),
+                "unsteered_are_input": torch.equal(out[unsteered].float(), x[unsteered]),
+                "kernel_by_hand_error": rel(out, want),
+                "reference_by_hand_error": rel(ref, want),
                 "max_rel_error": ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item(),
                 "staging_is_out": torch.equal(staging[:rows], out),
                 "staging_beyond_untouched": bool((staging[rows:] == 7.0).all()),
@@ -71,11 +91,21 @@ def report() -> dict[str, dict]:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_kernel_covers_every_checked_case(report: dict[str, dict]):
-    assert sorted(report) == ["bfloat16-plain", "float32-plain", "float32-residual"]
+CASES = ["float32-plain", "float32-residual", "bfloat16-plain"]
 
 
-@pytest.mark.parametrize("case", ["float32-plain", "float32-residual", "bfloat16-plain"])
+@pytest.mark.parametrize("case", CASES)
+def test_kernel_and_reference_apply_each_op_as_written(report: dict[str, dict], case: str):
+    """Both against the ops written out by hand (add, scale, set, ablate, add then ablate), so
+    that a mistake the kernel shares with ``reference`` cannot pass."""
+    result = report[case]
+    tolerance = 1e-5 if case.startswith("float32") else 1e-2  # bfloat16: one unit in the last place
+    assert result["kernel_by_hand_error"] < tolerance
+    assert result["reference_by_hand_error"] < tolerance
+    assert result["unsteered_are_input"], "rows with no steering must leave as they came in"
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_kernel_matches_the_reference(report: dict[str, dict], case: str):
     result = report[case]
     float32 = case.startswith("float32")

@@ -14,9 +14,9 @@ from __future__ import annotations
 import difflib
 import math
 import re
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 BLOCK_HOOKS = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out")
 FINAL_HOOK = "ln_final.hook_normalized"
@@ -35,11 +35,14 @@ entry, so its squared norm (which every RMSNorm computes in float32) stays finit
 size below 1e14 in float32 and bfloat16 engines.  A float16 engine overflows sooner (65504); the
 engine's receipts catch that: a non-finite result fails the request."""
 
-PositionScope = Literal["all", "prompt", "generated"] | list[Annotated[int, Field(strict=True)]]
-"""Which token rows an intervention or capture covers: a named scope or explicit indices."""
+CaptureDtype = Literal["float32", "bfloat16", "float16"]
+CAPTURE_DTYPES: tuple[str, ...] = get_args(CaptureDtype)
+"""The dtypes a capture can come back in, by name (``instrument/dtypes.py`` maps them to torch's)."""
 
 TAG = "tlvllm"
-"""Key under which a request's spec travels in ``SamplingParams.extra_args``."""
+"""tl-vllm's key wherever its data rides in someone else's dict: a request's spec in
+``SamplingParams.extra_args``, the instrumentation settings in vLLM's ``additional_config``,
+a sample's spec in ``Sample.metadata`` and its record in ``ModelOutput.metadata``."""
 
 
 class SpecError(ValueError):
@@ -64,7 +67,7 @@ def parse_hook_point(name: str) -> tuple[int | None, str]:
     )
 
 
-def _check_scope(value: PositionScope) -> PositionScope:
+def _check_scope(value: str | list[int]) -> str | list[int]:
     if isinstance(value, list):
         if not value:
             raise SpecError("positions: an empty list selects no token; use 'all', 'prompt', 'generated' or indices")
@@ -77,6 +80,13 @@ def _check_scope(value: PositionScope) -> PositionScope:
         if len(set(value)) != len(value):
             raise SpecError(f"positions: duplicate indices in {value}")
     return value
+
+
+PositionScope = Annotated[
+    Literal["all", "prompt", "generated"] | list[Annotated[int, Field(strict=True)]], AfterValidator(_check_scope)
+]
+"""Which token rows an intervention or capture covers: a named scope or explicit indices
+(checked here, wherever a model declares one)."""
 
 
 def _check_entries(value: list[float]) -> list[float]:
@@ -135,11 +145,6 @@ class Intervention(BaseModel):
             raise SpecError(f"coef: {value} is out of range; |coef| is at most {MAX_COEF:g}")
         return value
 
-    @field_validator("positions")
-    @classmethod
-    def _positions(cls, value: PositionScope) -> PositionScope:
-        return _check_scope(value)
-
     @field_validator("vector")
     @classmethod
     def _vector(cls, value: list[float] | str | None) -> list[float] | str | None:
@@ -167,7 +172,7 @@ class Capture(BaseModel):
         default="none",
         description="none: one row per token; mean / last / max_norm (row of largest L2 norm): one row per sample",
     )
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    dtype: CaptureDtype = "float32"
 
     @field_validator("hooks")
     @classmethod
@@ -177,11 +182,6 @@ class Capture(BaseModel):
         if len(set(value)) != len(value):
             raise SpecError(f"hooks: duplicate hook points in {value}")
         return value
-
-    @field_validator("positions")
-    @classmethod
-    def _positions(cls, value: PositionScope) -> PositionScope:
-        return _check_scope(value)
 
 
 class RequestSpec(BaseModel):

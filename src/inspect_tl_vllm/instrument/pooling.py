@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 MODES = {"mean": 0, "last": 1, "max_norm": 2}
+"""The reductions computed on the device (every ``Capture.reduce`` but ``none``), by their code."""
 
 
 class SiteAccumulators:

@@ -4,7 +4,8 @@
 vLLM's async client is bound to the event loop it first runs on, while Inspect runs each
 ``eval()`` in a loop of its own.  So each engine lives on a private event loop in a daemon
 thread; Inspect's coroutines submit work there and await the result.  The engine therefore
-outlives any one ``eval()`` call, and is shut down once at interpreter exit.
+outlives any one ``eval()`` call, and is shut down once at interpreter exit (or earlier,
+by ``shutdown_engines``).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from inspect_tl_vllm.engine.construct import InstrumentedLLM, construct_instrumented_llm
@@ -37,7 +38,7 @@ class EngineThread:
         self._model = model
         self._instrument = instrument
         self._kwargs = engine_kwargs
-        self._core: InstrumentedLLM | None = None
+        self._instrumented: InstrumentedLLM | None = None
         self._boot_lock = asyncio.Lock()  # concurrent first requests must boot one engine, not one each
         self._tasks: set[asyncio.Task] = set()  # background work on the engine loop, kept referenced
         self.boots = 0
@@ -45,7 +46,7 @@ class EngineThread:
 
     @property
     def booted(self) -> bool:
-        return self._core is not None
+        return self._instrumented is not None
 
     def _start(self) -> asyncio.AbstractEventLoop:
         with self._start_lock:
@@ -55,32 +56,33 @@ class EngineThread:
                 threading.Thread(target=self.loop.run_forever, name=name, daemon=True).start()
             return self.loop
 
-    async def core(self) -> InstrumentedLLM:
+    async def instrumented(self) -> InstrumentedLLM:
         """The engine, booted on first use (on the engine thread, off Inspect's loop)."""
-        if self._core is None:
+        if self._instrumented is None:
             await self.run(self._boot)
-        assert self._core is not None
-        return self._core
+        assert self._instrumented is not None
+        return self._instrumented
 
     async def _boot(self) -> None:
         # Runs on the engine loop; the boot awaits the workers, so other callers wait on the lock
         # and then find the engine booted.
         async with self._boot_lock:
-            if self._core is not None:
+            if self._instrumented is not None:
                 return
             self.boots += 1
             started = time.perf_counter()
-            core = construct_instrumented_llm(
+            instrumented = construct_instrumented_llm(
                 self._model, instrument=self._instrument, async_engine=True, **self._kwargs
             )
             try:
                 check_sites_landed(
-                    core.instrumentation, merge_status(await core.engine.collective_rpc("tlvllm_status"))
+                    instrumented.instrumentation,
+                    merge_status(await instrumented.llm.collective_rpc("tlvllm_status")),
                 )
             except RuntimeError:
-                core.engine.shutdown()
+                instrumented.llm.shutdown()
                 raise
-            self._core = core
+            self._instrumented = instrumented
             self.upload_lock = asyncio.Lock()
             self.boot_seconds = time.perf_counter() - started
             logger.info(f"tl-vllm: engine for {self._model} booted in {self.boot_seconds:.1f} s")
@@ -100,20 +102,20 @@ class EngineThread:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def discard(self, core: InstrumentedLLM) -> None:
+    def discard(self, instrumented: InstrumentedLLM) -> None:
         """Drop a dead engine so the next request boots a fresh one (once, however many
         in-flight requests report the death)."""
-        if self._core is core:
-            self._core = None
+        if self._instrumented is instrumented:
+            self._instrumented = None
             with contextlib.suppress(Exception):
-                core.engine.shutdown()
+                instrumented.llm.shutdown()
 
     def close(self) -> None:
         if self.loop is None:
             return
-        if self._core is not None:
-            engine = self._core.engine
-            self._core = None
+        if self._instrumented is not None:
+            engine = self._instrumented.llm
+            self._instrumented = None
             done = asyncio.run_coroutine_threadsafe(_shutdown(engine), self.loop)
             with contextlib.suppress(Exception):  # best effort at exit
                 done.result(timeout=60)
@@ -135,10 +137,23 @@ def shared_engine(key: str, factory: Callable[[], EngineThread]) -> EngineThread
         return _ENGINES[key]
 
 
-@atexit.register
-def _close_all() -> None:
+def engines() -> dict[str, EngineThread]:
+    """The shared engines by key, booted or not: a copy, for looking one up (tests, status checks)."""
     with _LOCK:
-        engines = list(_ENGINES.values())
-        _ENGINES.clear()
-    for engine in engines:
+        return dict(_ENGINES)
+
+
+@atexit.register
+def shutdown_engines(keys: Iterable[str] | None = None) -> None:
+    """Shut down the shared engines under ``keys`` (all of them when None) and forget them.
+
+    An engine otherwise lives until the interpreter exits, when this runs for all of them.
+    Tests and long-lived processes that want an engine's memory and processes released now
+    call it.  The next model made with those settings boots a new engine; a model instance
+    made before (Inspect memoises ``get_model``) keeps the closed one and must not be used.
+    """
+    with _LOCK:
+        chosen = list(_ENGINES) if keys is None else [key for key in keys if key in _ENGINES]
+        closing = [_ENGINES.pop(key) for key in chosen]
+    for engine in closing:
         engine.close()
