@@ -156,7 +156,7 @@ def test_position_scopes_touch_exactly_the_rows_asked_for(tiny_engine):
 
 def test_prompt_captures_are_written_out_early_and_equal_the_full_capture(tiny_engine):
     """A capture whose scope ends in the prompt is written out while the request still
-    decodes (``Controller._write_early``); its rows must be those of a capture of every row."""
+    decodes (``ResultPacker.write_early``); its rows must be those of a capture of every row."""
     hooks = ["blocks.0.hook_resid_pre", "blocks.1.hook_resid_post", "blocks.2.hook_resid_pre"]  # one alias pair
     before = tiny_engine.status()["written_early"]
     full = tiny_engine.generate(PROMPTS, max_tokens=6, capture={"hooks": hooks})
