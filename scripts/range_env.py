@@ -41,13 +41,19 @@ def normalized(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def requirement_name(requirement: str) -> str:
+    """The normalized distribution name a requirement string names (``"inspect-ai>=0.3"`` ->
+    ``"inspect-ai"``)."""
+    return normalized(re.split(r"[<>=!~ \[;]", requirement, maxsplit=1)[0])
+
+
 def lower_bounds() -> list[str]:
     """``name==lower`` for each ranged dependency, read from pyproject.toml so the oldest end
     tested is always the one declared."""
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     pins = []
     for name in RANGED:
-        spec = next(d for d in declared if normalized(re.split(r"[<>=!~ \[]", d)[0]) == name)
+        spec = next(d for d in declared if requirement_name(d) == name)
         lower = re.search(r">=\s*([^,\s]+)", spec)
         if lower is None:
             raise SystemExit(f"range_env: pyproject.toml declares {spec!r} with no lower bound (>=)")
@@ -133,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     pins = [*(lower_bounds() if args.oldest else []), *args.pin]
-    pinned = {normalized(re.split(r"[<>=!~ \[]", p)[0]) for p in pins}
+    pinned = {requirement_name(p) for p in pins}
     hidden = shadowed_entries({"inspect-ai", PACKAGE, *pinned})
     if args.dir.exists():
         shutil.rmtree(args.dir)

@@ -9,7 +9,6 @@ out[0].text, out[0].activations["blocks.6.hook_resid_post"], out[0].receipt
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,7 +20,6 @@ from inspect_tl_vllm.engine.construct import InstrumentedLLM, construct_instrume
 from inspect_tl_vllm.engine.frontend import PreparedRequest, merge_status, sampling_fields, vllm_prompt
 from inspect_tl_vllm.specs import Capture, Intervention, RequestSpec, parse_request_spec
 
-logger = logging.getLogger(__name__)
 Prompt = str | list[dict[str, str]] | list[int]  # text, chat messages, or token ids
 
 
@@ -123,14 +121,15 @@ class Engine:
             raise
         generated_at = time.perf_counter()
         finished = [
-            (request, len(out.prompt_token_ids), len(out.outputs[0].token_ids), f"prompt {i}")
-            for i, (out, request) in enumerate(zip(outputs, prepared, strict=True))
+            (request, len(out.prompt_token_ids), len(out.outputs[0].token_ids))
+            for out, request in zip(outputs, prepared, strict=True)
             if request is not None
         ]
-        payloads = lifecycle.run(lifecycle.fetch(front, [f[:3] for f in finished]), self.llm) if finished else []
+        labels = [f"prompt {i}" for i, request in enumerate(prepared) if request is not None]
+        payloads = lifecycle.run(lifecycle.fetch(front, finished), self.llm) if finished else []
         fetched = (
             lifecycle.decode(front, payload, label, strict=strict)
-            for payload, (*_, label) in zip(payloads, finished, strict=True)
+            for payload, label in zip(payloads, labels, strict=True)
         )
         results = []
         for out, request in zip(outputs, prepared, strict=True):

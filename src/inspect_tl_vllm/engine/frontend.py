@@ -328,19 +328,19 @@ def merge_fetched(per_worker: list[Any]) -> list[FetchedResult | None]:
 
 
 def _merge_parts(parts: list[FetchedResult | None]) -> FetchedResult | None:
-    """Pipeline stages' parts of one request's result as one result."""
-    if any(part is None for part in parts):
+    """Pipeline stages' parts of one request's result as one result (None if a stage has none)."""
+    present = [part for part in parts if part is not None]
+    if len(present) < len(parts):
         return None
-    if len(parts) == 1:
-        return parts[0]
+    if len(present) == 1:
+        return present[0]
     from safetensors.torch import load, save
 
     tensors: dict[str, torch.Tensor] = {}
     receipt = Receipt(interventions=[], captures={}, error=None)
     positions: dict[str, list[int]] = {}
     files: list[str] = []
-    for part in parts:
-        assert part is not None
+    for part in present:
         files += part.files
         if part.tensors:
             tensors.update(load(part.tensors))
@@ -349,9 +349,8 @@ def _merge_parts(parts: list[FetchedResult | None]) -> FetchedResult | None:
         receipt.captures.update(part.receipt.captures)
         receipt.error = receipt.error or part.receipt.error
     receipt.interventions.sort(key=lambda item: item.index)
-    uid = parts[0].uid if parts[0] is not None else ""
     return FetchedResult(
-        uid=uid, receipt=receipt, positions=positions, tensors=save(tensors) if tensors else b"", files=files
+        uid=present[0].uid, receipt=receipt, positions=positions, tensors=save(tensors) if tensors else b"", files=files
     )
 
 

@@ -10,7 +10,6 @@ summary and the steering receipt.
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 import uuid
 from pathlib import Path
@@ -43,8 +42,6 @@ from inspect_tl_vllm.provider.sample_spec import METADATA_KEY
 from inspect_tl_vllm.provider.tool_calls import parse_tool_calls
 from inspect_tl_vllm.specs import TAG, RequestSpec, SpecError, parse_request_spec
 from inspect_tl_vllm.wire import FetchedResult
-
-logger = logging.getLogger(__name__)
 
 STOP_REASONS = {"stop": "stop", "length": "max_tokens", "abort": "unknown"}
 DEFAULT_CONNECTIONS = 256
