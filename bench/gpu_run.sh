@@ -13,6 +13,15 @@
 #   bash bench/gpu_run.sh e2e-warm OUTDIR # inspect eval: vllm/ vs tl-vllm steered and captured, caches warm (~8 min)
 #   bash bench/gpu_run.sh e2e-connections OUTDIR  # tl-vllm with --max-connections 256 vs its default (~5 min)
 #
+# Other model shapes, and the peer hotwire-vllm (steering only) beside the instrumented engine,
+# all with weights at training-init scale:
+#   bash bench/gpu_run.sh 1b     OUTDIR   # throughput, Llama-3.2-1B shape, the five standard variants (~3 min)
+#   bash bench/gpu_run.sh peers-1b OUTDIR # the five and hotwire, Llama-3.2-1B shape, three engines at 0.3 of
+#                                          # the GPU's memory each (~4 min)
+#   bash bench/gpu_run.sh peers-8b OUTDIR # the same, Llama-3-8B shape (~6 min: hotwire compiles cold)
+# The peers steps install hotwire from bench/peers/ into /tmp/tlvllm-hotwire, a folder on no
+# path but that of the hotwire engine's process (throughput.py --hotwire-dir).
+#
 # Diagnostic steps (the findings in docs/BENCHMARKS.md):
 #   bash bench/gpu_run.sh 8b     OUTDIR   # throughput, 8B shape with vLLM's dummy weights (~4 min; PY_SPY=BIN adds profiles)
 #   bash bench/gpu_run.sh 8b-nodetok OUTDIR  # the same without detokenizing, four variants (~3 min)
@@ -28,7 +37,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|smol|smol-plain OUTDIR}
+step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|smol|smol-plain|1b|peers-1b|peers-8b OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -95,6 +104,19 @@ case "$step" in
   smol-plain)
     timeout 300 python3 bench/throughput.py --model smollm2 --prompts 256 --new-tokens 256 --runs 8 \
       --variants vanilla,plain ${PY_SPY:+--py-spy "$PY_SPY"} --out "$out/throughput_smollm2_plain.json" >"$log" 2>&1
+    ;;
+  1b)
+    timeout 570 python3 bench/throughput.py --model llama1b-shape --prompts 256 --new-tokens 256 --runs 5 \
+      --weights scaled --out "$out/throughput_1b_scaled.json" >"$log" 2>&1
+    ;;
+  peers-1b | peers-8b)
+    size=${step#peers-}
+    hotwire_dir=/tmp/tlvllm-hotwire
+    python3 -m pip install -q --no-deps --no-index --upgrade --target "$hotwire_dir" \
+      bench/peers/hotwire_vllm-0.1.2-py3-none-any.whl >"$log" 2>&1 &&
+      timeout 570 python3 bench/throughput.py --model "llama$size-shape" --prompts 256 --new-tokens 256 --runs 5 \
+        --weights scaled --variants vanilla,plain,steer,capture,capture_all,hotwire --gpu-memory-utilization 0.3 \
+        --hotwire-dir "$hotwire_dir" --out "$out/throughput_${size}_peers.json" >>"$log" 2>&1
     ;;
   *)
     echo "unknown step $step" >&2

@@ -1,9 +1,15 @@
 """Engine-level throughput: vanilla vLLM against the instrumented engine, measured in one run.
 
     python bench/throughput.py --model smollm2 --prompts 256 --new-tokens 256 --runs 5 --out r.json
-    python bench/throughput.py --model llama8b-shape ...   # Llama-3-8B shapes, random weights
+    python bench/throughput.py --model llama8b-shape --weights scaled ...   # Llama-3-8B shapes, random weights
 
-Two engines live side by side on the device, each in its own process with the same engine
+``--model`` takes an alias, a path, or a shape from ``SHAPES`` (``llama8b-shape``,
+``llama1b-shape``, ``gemma2b-shape``): a config.json with that model's dimensions and SmolLM2's
+tokenizer, loaded with vLLM's dummy weights (``--weights scaled`` re-draws them at
+training-init scale, ``scaled_weights.py``), so no weights are downloaded.  (Gemma's norms
+multiply by 1 + weight, so with the norm weights of 1 that ``scaled`` sets they scale by 2.)
+
+Engines live side by side on the device, each in its own process with the same engine
 settings and the same share of GPU memory: vanilla vLLM with every plugin excluded
 (``VLLM_PLUGINS=""``) and the instrumented engine from ``construct_instrumented_llm``.
 Variants, all on the same chat prompts with fixed output lengths (``ignore_eos``):
@@ -14,10 +20,25 @@ Variants, all on the same chat prompts with fixed output lengths (``ignore_eos``
 4. ``capture``     every request captures one hook point, mean over the sample
 5. ``capture_all`` every request captures the residual stream of every layer, per prompt token
 
-and, only when named in ``--variants``, the diagnostic ``steer_zero``: ``steer``'s requests
-with coefficient 0.  The hooks, tables, vector bank and receipts do all of ``steer``'s work,
-but the outputs stay ``plain``'s, so the difference between the two steer variants is what
-changing the outputs costs (a random-weight model's greedy outputs are nearly constant).
+and, only when named in ``--variants``:
+
+- ``steer_zero``: ``steer``'s requests with coefficient 0.  The hooks, tables, vector bank and
+  receipts do all of ``steer``'s work, but the outputs stay ``plain``'s, so the difference
+  between the two steer variants is what changing the outputs costs (a random-weight model's
+  greedy outputs are nearly constant).
+- ``hotwire``: the peer project hotwire-vllm (a vLLM general plugin that steers inside CUDA
+  graphs; it does not capture) doing ``steer``'s work in a third engine process, the only one
+  with ``--hotwire-dir`` on its path and ``VLLM_PLUGINS=hotwire``.  Each request names its own
+  vector (``steer``'s vectors, written as files for ``HOTWIRE_VECTORS``) at layer N = L // 2,
+  scale 1, every position, in ``SamplingParams.extra_args["hotwire"]``.  hotwire adds
+  ``scale * vector`` to the first output of decoder layer N, the hidden-states half of vLLM's
+  split residual stream, so the stream after layer N gets what ``blocks.N.hook_resid_post``
+  with ``coef`` 1 adds.  hotwire fills its per-token table from vLLM's batch as it stands
+  before the step adds its new requests (in vLLM 0.20.2 ``execute_model`` updates the batch
+  after hotwire's wrapper ran), so prompts may go unsteered: each run records, per variant,
+  the share of requests whose first token and whole output equal vanilla's and steer's
+  (``agreement``).  Its plugin sets ``VLLM_USE_FLASHINFER_SAMPLER=0`` where it finds no CUDA
+  toolkit (recorded with its engine); greedy sampling, as here, uses neither sampler.
 
 Runs are interleaved (each round runs every variant once, in a rotated order) after one
 warm-up round; the table reports the median generated tokens/s, the spread, and each median
@@ -35,6 +56,7 @@ steered run fifteenfold) during extra runs, and writes the raw stacks next to ``
 run of each steering or capturing variant after the measured rounds, and one of ``plain``
 before the first round and after the last (to compare an engine early and late in its life).
 Every run also records which processes and threads used the host's CPU (``proc_stats.py``).
+Three engines need ``--gpu-memory-utilization`` 0.3 at most.
 """
 
 from __future__ import annotations
@@ -44,11 +66,13 @@ import contextlib
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import time
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -57,38 +81,85 @@ import gpu_power  # bench/ is on sys.path when this file runs as a script
 import proc_stats
 
 VARIANTS = ["vanilla", "plain", "steer", "capture", "capture_all"]
-LLAMA_8B_SHAPE = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "head_dim": 128,
-    "max_position_embeddings": 8192,
-    "rms_norm_eps": 1e-5,
-    "rope_theta": 500000.0,
-    "hidden_act": "silu",
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
+HOTWIRE_PLUGIN = "hotwire"  # hotwire-vllm's entry point in vllm.general_plugins
+# Model shapes: a config.json (bos/eos ids and tokenizer from SmolLM2) loaded with dummy weights.
+# llama8b-shape's config must stay byte-identical: earlier results were measured on it.
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama8b-shape": {  # Llama-3-8B
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 128256,
+    },
+    "llama1b-shape": {  # Llama-3.2-1B (without its llama3 rope scaling: prompts stay short)
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 2048,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 64,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "hidden_act": "silu",
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 128256,
+    },
+    "gemma2b-shape": {  # Gemma-2-2B
+        "architectures": ["Gemma2ForCausalLM"],
+        "model_type": "gemma2",
+        "hidden_size": 2304,
+        "intermediate_size": 9216,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "hidden_act": "gelu_pytorch_tanh",
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 4096,
+        "final_logit_softcapping": 30.0,
+        "attn_logit_softcapping": 50.0,
+        "attention_bias": False,
+        "tie_word_embeddings": True,
+        "torch_dtype": "bfloat16",
+        "vocab_size": 256000,
+    },
 }
 
 
 def model_dir(name: str, scratch: Path) -> tuple[str, dict[str, Any]]:
-    """Path and extra engine arguments; the 8B shape is a config plus SmolLM2's tokenizer."""
+    """Path and extra engine arguments; a shape is its config plus SmolLM2's tokenizer, so that
+    no weights need downloading (vLLM's dummy weights, or ``--weights scaled``)."""
     from inspect_tl_vllm.aliases import resolve_model
 
-    if name != "llama8b-shape":
+    if name not in SHAPES:
         return resolve_model(name), {}
     source = Path(resolve_model("smollm2"))
-    target = scratch / "llama8b-shape"
+    target = scratch / name
     target.mkdir(parents=True, exist_ok=True)
     for file in source.iterdir():
         if file.name.startswith(("tokenizer", "special_tokens", "vocab", "merges", "chat_template")):
             (target / file.name).write_bytes(file.read_bytes())
     tokenizer = json.loads((source / "config.json").read_text())
-    config = {**LLAMA_8B_SHAPE, "vocab_size": 128256}
+    config = dict(SHAPES[name])
     for key in ("bos_token_id", "eos_token_id"):
         config[key] = tokenizer.get(key)
     (target / "config.json").write_text(json.dumps(config, indent=1))
@@ -124,16 +195,29 @@ def engine_modes(llm: Any) -> dict[str, Any]:
     }
 
 
-def serve(kind: str, path: str, engine_args: dict[str, Any], prompts: list[list[int]], weights: str, conn: Any) -> None:
-    """One engine in its own process, running the variants the parent asks for."""
+def serve(
+    kind: str,
+    path: str,
+    engine_args: dict[str, Any],
+    prompts: list[list[int]],
+    weights: str,
+    conn: Any,
+    peer: dict[str, Any],
+) -> None:
+    """One engine in its own process, running the variants the parent asks for.
+
+    ``kind`` is ``vanilla`` (no plugin), ``instrumented`` (this project) or ``hotwire``
+    (hotwire-vllm's plugin alone, from ``peer["hotwire_dir"]``, which only this process sees)."""
     if kind == "vanilla":
         os.environ["VLLM_PLUGINS"] = ""  # before vLLM is imported: no plugin, ours included
+    peer_info = prepare_hotwire(path, len(prompts), peer) if kind == "hotwire" else {}
+    plugins = general_plugins()  # what vLLM would find; hotwire must be there only for its own engine
+    if (HOTWIRE_PLUGIN in plugins) != (kind == "hotwire") and kind != "vanilla":
+        raise RuntimeError(f"{kind} engine: vllm.general_plugins found here are {plugins}")
     if weights == "scaled":  # collective_rpc pickles the function; these are the bench's own engines
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
-    import torch
-
     started = time.time()
-    if kind == "vanilla":
+    if kind in ("vanilla", "hotwire"):
         from vllm import LLM
 
         llm = LLM(model=path, **engine_args)
@@ -144,6 +228,9 @@ def serve(kind: str, path: str, engine_args: dict[str, Any], prompts: list[list[
         engine = inspect_tl_vllm.boot(path, instrument={"max_vectors": len(prompts)}, **engine_args)
         llm = engine.llm
     info = {"boot_s": round(time.time() - started, 1), **engine_modes(llm)}
+    info.update(general_plugins=plugins, vllm_plugins=os.environ.get("VLLM_PLUGINS"))
+    if peer_info:  # read after boot: hotwire's plugin may set the sampler variable while it registers
+        info["hotwire"] = {**peer_info, "VLLM_USE_FLASHINFER_SAMPLER": os.environ.get("VLLM_USE_FLASHINFER_SAMPLER")}
     if weights == "scaled":
         from scaled_weights import rescale  # bench/ is on sys.path (this file's folder)
 
@@ -155,8 +242,7 @@ def serve(kind: str, path: str, engine_args: dict[str, Any], prompts: list[list[
     conn.send(info)
     width = llm.llm_engine.vllm_config.model_config.get_hidden_size()
     layers = llm.llm_engine.vllm_config.model_config.hf_text_config.num_hidden_layers
-    generator = torch.Generator().manual_seed(0)
-    vectors = [(torch.randn(width, generator=generator) * 2).tolist() for _ in prompts]
+    vectors = [vector.tolist() for vector in steering_vectors(width, len(prompts))]
     vocab = len(llm.get_tokenizer())
     while True:
         message = conn.recv()
@@ -170,6 +256,71 @@ def serve(kind: str, path: str, engine_args: dict[str, Any], prompts: list[list[
             conn.send(result)
         except Exception as err:  # report and keep serving: one failing variant must not lose the others
             conn.send({"variant": variant, "error": f"{type(err).__name__}: {err}"[:2000]})
+
+
+def steering_vectors(width: int, count: int) -> list[Any]:
+    """One vector per request for the steering variants; hotwire's engine gets the same ones."""
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return [torch.randn(width, generator=generator) * 2 for _ in range(count)]
+
+
+def general_plugins() -> list[str]:
+    """Names of the vLLM general plugins this process can discover (installed distributions)."""
+    from importlib.metadata import entry_points
+
+    return sorted(ep.name for ep in entry_points(group="vllm.general_plugins"))
+
+
+def prepare_hotwire(path: str, count: int, peer: dict[str, Any]) -> dict[str, Any]:
+    """Make hotwire-vllm's plugin, and only it, load in this process and the engine it starts.
+
+    hotwire loads its vectors when the model loads, from ``HOTWIRE_VECTORS`` (a folder of
+    ``.pt`` files, one tensor each; a file's name is its vector id), so they are written
+    before the engine boots: request i gets vector i of ``steering_vectors``, as in ``steer``.
+    Each distinct (vector, layer, scale) keeps one of ``HOTWIRE_SLOTS`` slots for good, so there
+    is one slot per request; repeated rounds reuse them."""
+    import torch
+    from transformers import AutoConfig
+
+    folder = str(Path(peer["hotwire_dir"]).resolve())
+    sys.path.insert(0, folder)  # for this process; PYTHONPATH for the engine core it spawns
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (folder, os.environ.get("PYTHONPATH")) if p)
+    os.environ["VLLM_PLUGINS"] = HOTWIRE_PLUGIN  # hotwire alone: not this project's plugin
+    text = AutoConfig.from_pretrained(path).get_text_config()
+    vectors = Path(peer["scratch"]) / "hotwire-vectors"
+    shutil.rmtree(vectors, ignore_errors=True)
+    vectors.mkdir(parents=True)
+    for i, vector in enumerate(steering_vectors(int(text.hidden_size), count)):
+        torch.save(vector, vectors / f"{hotwire_id(i)}.pt")
+    os.environ["HOTWIRE_VECTORS"] = str(vectors)
+    os.environ["HOTWIRE_SLOTS"] = str(count)
+    from importlib.metadata import version
+
+    middle = int(text.num_hidden_layers) // 2
+    return {
+        "version": version("hotwire-vllm"),
+        "vectors": "one per request, as steer",
+        "layer": middle,
+        "equals_hook": f"blocks.{middle}.hook_resid_post",
+        "scale": 1.0,
+        "slots": count,
+    }
+
+
+def hotwire_id(index: int) -> str:
+    return f"v{index:04d}"
+
+
+def hotwire_requests(count: int, layer: int, scale: float = 1.0) -> list[dict[str, str]]:
+    """``SamplingParams.extra_args`` per request: its own vector at ``layer``, every position.
+
+    hotwire adds ``scale * vector`` to the hidden-states half of decoder layer ``layer``'s
+    output; vLLM's residual stream is that plus the residual half, so this is ``steer``'s
+    ``blocks.{layer}.hook_resid_post`` with ``coef`` = ``scale``."""
+    spec = {"layer": layer, "scale": scale}
+    return [{"hotwire": json.dumps({"id": hotwire_id(i), **spec})} for i in range(count)]
 
 
 @contextlib.contextmanager
@@ -206,10 +357,18 @@ def sampled_by_py_spy(binary: str | None, output: str | None) -> Iterator[None]:
 
 
 def token_stats(token_ids: list[list[int]], vocab: int) -> dict[str, Any]:
-    """What was generated: distinct ids, and the share of ids the tokenizer does not know."""
+    """What was generated: distinct ids, the share of ids the tokenizer does not know, and per
+    request its first id and a checksum of all (``agreement`` compares variants with them)."""
     flat = [t for ids in token_ids for t in ids]
     unknown = sum(1 for t in flat if t >= vocab)
-    return {"distinct_tokens": len(set(flat)), "unknown_token_share": round(unknown / max(len(flat), 1), 4)}
+    digests = [
+        (int(ids[0]) if len(ids) else -1, zlib.crc32(json.dumps([int(t) for t in ids]).encode())) for ids in token_ids
+    ]
+    return {
+        "distinct_tokens": len(set(flat)),
+        "unknown_token_share": round(unknown / max(len(flat), 1), 4),
+        "digests": digests,
+    }
 
 
 def run_variant(
@@ -229,7 +388,11 @@ def run_variant(
     before = engine.status() if engine is not None else None
     t0 = time.perf_counter()
     if engine is None:
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(**params), use_tqdm=False)
+        sampling: Any = SamplingParams(**params)
+        if variant == "hotwire":
+            requests = hotwire_requests(len(prompts), layers // 2)
+            sampling = [SamplingParams(**params, extra_args=extra) for extra in requests]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
         token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     else:
         specs = variant_specs(variant, vectors, layers)
@@ -255,6 +418,10 @@ def run_variant(
     return result
 
 
+def engine_for(variant: str) -> str:
+    return variant if variant in ("vanilla", "hotwire") else "instrumented"
+
+
 def variant_specs(variant: str, vectors: list[list[float]], layers: int) -> list[dict[str, Any] | None]:
     middle = layers // 2
     if variant == "plain":
@@ -270,7 +437,7 @@ def variant_specs(variant: str, vectors: list[list[float]], layers: int) -> list
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="smollm2", help="alias, path, or llama8b-shape")
+    parser.add_argument("--model", default="smollm2", help=f"alias, path, or a shape: {', '.join(SHAPES)}")
     parser.add_argument("--prompts", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--runs", type=int, default=5)
@@ -286,9 +453,22 @@ def main() -> int:
         default="as-loaded",
         help="scaled: re-draw the weights at training-init scale after loading (scaled_weights.py)",
     )
+    parser.add_argument(
+        "--hotwire-dir",
+        default=None,
+        metavar="DIR",
+        help="hotwire-vllm installed with pip install --no-deps --target DIR (variant hotwire)",
+    )
     parser.add_argument("--py-spy", default=None, metavar="BIN", help="profile one extra run per instrumented variant")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+
+    variants = args.variants.split(",")
+    kinds = [kind for kind in ("vanilla", "instrumented", "hotwire") if kind in map(engine_for, variants)]
+    if "hotwire" in kinds and not (args.hotwire_dir and (Path(args.hotwire_dir) / "hotwire").is_dir()):
+        parser.error("variant hotwire needs --hotwire-dir DIR holding hotwire-vllm (pip install --target DIR)")
+    if not args.cpu and len(kinds) * args.gpu_memory_utilization > 0.95:
+        parser.error(f"{len(kinds)} engines x --gpu-memory-utilization {args.gpu_memory_utilization} exceed the GPU")
 
     path, extra = model_dir(args.model, Path(args.scratch))
     prompts = chat_prompts(path, args.prompts)
@@ -297,18 +477,16 @@ def main() -> int:
         engine_args.update(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30)
     else:
         engine_args["gpu_memory_utilization"] = args.gpu_memory_utilization
-    variants = args.variants.split(",")
     context = mp.get_context("spawn")
     engines: dict[str, Any] = {}
     summary: dict[str, Any] = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens}
     summary["detokenize"] = not args.no_detokenize
     summary["weights"] = args.weights
     summary["engine_args"] = engine_args
-    for kind in ("vanilla", "instrumented"):
-        if kind == "vanilla" and "vanilla" not in variants:
-            continue
+    peer = {"hotwire_dir": args.hotwire_dir, "scratch": args.scratch}
+    for kind in kinds:
         parent, child = context.Pipe()
-        process = context.Process(target=serve, args=(kind, path, engine_args, prompts, args.weights, child))
+        process = context.Process(target=serve, args=(kind, path, engine_args, prompts, args.weights, child, peer))
         process.start()
         child.close()  # so that a child dying during boot reads as EOF here, not as a hang
         try:
@@ -326,7 +504,7 @@ def main() -> int:
         engines[kind] = (process, parent)
 
     def run(variant: str, new_tokens: int, profile_to: str | None = None) -> dict[str, Any]:
-        _, conn = engines["vanilla" if variant == "vanilla" else "instrumented"]
+        _, conn = engines[engine_for(variant)]
         options = {"detokenize": not args.no_detokenize, "py_spy": args.py_spy, "profile_to": profile_to}
         conn.send((variant, new_tokens, options))
         power: dict[str, Any] = {}
@@ -386,10 +564,11 @@ def write_summary(
 ) -> None:
     summary["rounds_done"] = min((len(runs) for runs in results.values()), default=0)
     summary["table"] = table(results)
+    summary["agreement"] = agreement(results)
     kept = ("seconds", "tok_s", "worker_steps", "worker_host_s", "phases_s", "pinned_host")
     kept += ("distinct_tokens", "unknown_token_share", "gpu", "procs")
     summary["runs"] = {v: [{k: r[k] for k in kept if k in r} for r in rs] for v, rs in results.items()}
-    instrumented = [runs[-1] for variant, runs in results.items() if variant != "vanilla" and runs]
+    instrumented = [runs[-1] for variant, runs in results.items() if engine_for(variant) == "instrumented" and runs]
     if instrumented:
         summary["instrumented_worker_status"] = instrumented[-1]["worker"]
     text = json.dumps(summary, indent=1)
@@ -397,6 +576,26 @@ def write_summary(
         print(text)
     if out:
         Path(out).write_text(text)
+
+
+def agreement(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, Any]]:
+    """Per variant, the share of requests whose first generated token and whole output equal
+    vanilla's and steer's, in the last run of each: whether a variant did the work it claims
+    (a steered request should differ from vanilla; hotwire should follow steer, up to rounding)."""
+    shares: dict[str, dict[str, Any]] = {}
+    for reference in ("vanilla", "steer"):
+        if not results.get(reference):
+            continue
+        base = results[reference][-1]["digests"]
+        for variant, runs in results.items():
+            if variant == reference or not runs or len(runs[-1]["digests"]) != len(base):
+                continue
+            pairs = list(zip(runs[-1]["digests"], base, strict=True))
+            shares.setdefault(variant, {})[f"vs_{reference}"] = {
+                "first_token": round(sum(a[0] == b[0] for a, b in pairs) / len(pairs), 4),
+                "output": round(sum(a == b for a, b in pairs) / len(pairs), 4),
+            }
+    return shares
 
 
 def table(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
