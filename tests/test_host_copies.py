@@ -67,3 +67,26 @@ def test_rows_straddling_chunks_come_back_whole() -> None:
         want = torch.cat(expected[state.uid])
         assert positions == list(range(len(want)))
         torch.testing.assert_close(rows, want, rtol=0, atol=0)
+
+
+def test_non_finite_rows_fail_their_request_only() -> None:
+    """A NaN in one request's rows and an inf in another's fail those two requests, each naming
+    the hook and the position; the request between them in the same step keeps its rows."""
+    runtime = cpu_hook_runtime(WIDTH)
+    router = StepRouter(runtime, chunk_rows=3)
+    a, b, c = per_token_state("a", 4), per_token_state("b", 4), per_token_state("c", 4)
+    for state in (a, b, c):
+        router.admit(state)
+    router.begin_step(np.array([0, 1, 2]), np.array([0, 4, 8, 12]), np.array([0, 0, 0]))
+    rows = torch.randn(12, WIDTH)
+    rows[2, 1] = float("nan")  # a's position 2
+    rows[11, 0] = -float("inf")  # c's position 3
+    runtime.sites[0].staging[:12] = rows
+    router.end_step()
+    router.drain()
+    assert a.error == "the activations captured at h are not finite (NaN or inf) at position 2"
+    assert c.error == "the activations captured at h are not finite (NaN or inf) at position 3"
+    assert b.error is None
+    positions, kept = b.capture[0].per_token(max_pos=b.prompt_len)
+    assert positions == [0, 1, 2, 3]
+    torch.testing.assert_close(kept, rows[4:8], rtol=0, atol=0)

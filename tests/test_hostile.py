@@ -183,6 +183,31 @@ def test_a_capture_that_selects_no_row_at_run_time_is_an_error(tiny_engine):
             tiny_engine.generate(KNOWN_PROMPT, specs=[spec], max_tokens=6, stop_token_ids=[first])
 
 
+def test_non_finite_captures_fail_their_request_only(tiny_engine, baseline):
+    """Scaling the residual stream by 1e6 eight times overflows float32: the rows captured after
+    it are inf or NaN.  Per-token and pooled captures of them each fail their own request, with
+    the hook named; a clean request in the same batch keeps its result, and the engine serves on."""
+    from inspect_tl_vllm.engine.frontend import SteeringNotApplied
+
+    sites = ("blocks.0.hook_resid_pre", "blocks.0.hook_resid_mid", "blocks.0.hook_resid_post", "blocks.1.hook_resid_mid")
+    blow_up = [{"hook": site, "op": "scale", "coef": 1e6} for site in sites for _ in range(2)]
+    hook = "blocks.2.hook_resid_post"
+    specs = [
+        {"interventions": blow_up, "capture": {"hooks": [hook], "positions": "prompt"}},
+        KNOWN_SPEC,
+        {"interventions": blow_up, "capture": {"hooks": [hook], "reduce": "mean"}},
+    ]
+    results = tiny_engine.generate([KNOWN_PROMPT] * 3, specs=specs, max_tokens=6, strict=False)
+    for failed in (results[0], results[2]):
+        assert failed.receipt["error"].startswith(f"the activations captured at {hook} are not finite")
+        with pytest.raises(SteeringNotApplied, match="not finite"):
+            tiny_engine.generate(KNOWN_PROMPT, specs=[specs[0]], max_tokens=6)
+    assert results[1].receipt["error"] is None
+    for name, rows in baseline.activations.items():
+        assert torch.equal(results[1].activations[name], rows)
+    assert_engine_serves_the_known_request(tiny_engine, baseline)
+
+
 def test_vectors_of_a_refused_call_do_not_stay_in_the_bank(tiny_engine, baseline):
     """A call refused for exceeding max_vectors used to leave its first chunks' vectors in the bank
     for good; now they are released, so a later call can use the whole bank."""

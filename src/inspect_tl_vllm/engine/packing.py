@@ -1,6 +1,8 @@
 """Worker side: a finished request's results as the ``wire.FetchedResult`` the front end reads.
 
-Pooled captures (one row per hook point) travel inside the answer; per-token rows go to a
+Results are checked here, where the rows are: a capture holding NaN or inf fails its request
+(per-token rows are checked as they land, ``instrument/host_copies.py``).  Pooled captures (one
+row per hook point) travel inside the answer; per-token rows go to a
 hand-off file when the front end shares the host (``handoff.py``).  A capture that ends inside
 the prompt is complete long before its request, so it is written out early, on a writer
 thread, while the request still decodes; the fetch then only names the file.
@@ -13,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from inspect_tl_vllm.engine.handoff import shared_folder, write_tensors
@@ -52,6 +55,8 @@ class ResultPacker:
         if state.pooled:
             dtype = TORCH_DTYPES[state.dtype]
             for hook, row in finish_pooled(state, max_pos).items():
+                if not np.isfinite(row).all() and state.error is None:
+                    state.error = f"the activations captured at {hook} are not finite (NaN or inf)"
                 tensors[hook] = torch.from_numpy(row).to(dtype).unsqueeze(0)
         elif state.reduce == "none":
             tensors, positions = self._per_token(state, max_pos)

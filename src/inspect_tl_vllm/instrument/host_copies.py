@@ -18,6 +18,7 @@ blocks go back to the pool.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +45,8 @@ class InFlight:
 
     per_token: list[PerToken] = field(default_factory=list)
     captured: dict[int, tuple[np.ndarray, list[torch.Tensor]]] = field(default_factory=dict)  # site -> rows, chunks
+    row_max: torch.Tensor | None = None  # each copied row's largest magnitude, site after site
+    row_max_at: dict[int, int] = field(default_factory=dict)  # site -> where its rows start in row_max
     retired: list[RequestState] = field(default_factory=list)
     pooled_reads: PooledReads = field(default_factory=dict)
     receipt_reads: ReceiptReads | None = None
@@ -101,6 +104,7 @@ class HostCopies:
         for _, item, rows, _ in per_token:
             arrays_of_site.setdefault(item.site, {})[id(rows)] = rows
         rows_of: dict[tuple[int, ...], tuple[np.ndarray, slice | None]] = {}  # -> (rows, their span if copied whole)
+        row_max: list[torch.Tensor] = []
         for site, arrays in arrays_of_site.items():
             key = tuple(arrays)
             if key not in rows_of:
@@ -116,6 +120,10 @@ class HostCopies:
                 source = staging.index_select(0, device_index(rows, self.runtime.device, self.cuda))
             step = self.chunk_rows
             flight.captured[site] = (rows, [self.to_host(source[lo : lo + step]) for lo in range(0, len(rows), step)])
+            flight.row_max_at[site] = sum(len(m) for m in row_max)
+            row_max.append(torch.linalg.vector_norm(source, ord=math.inf, dim=-1))
+        if row_max:
+            flight.row_max = self.to_host(torch.cat(row_max).float())
         flight.event = self.record()
         return flight
 
@@ -135,13 +143,18 @@ class HostCopies:
             site: (rows, [chunk.clone() for chunk in chunks] if copy else chunks)
             for site, (rows, chunks) in flight.captured.items()
         }
-        where: dict[tuple[int, int], list[Piece]] = {}  # (site rows, request rows) -> where they lie
+        row_max = flight.row_max.numpy() if flight.row_max is not None else None
+        where: dict[tuple[int, int], tuple[np.ndarray, list[Piece]]] = {}  # (site rows, request rows) -> where
         for state, item, rows, positions in flight.per_token:
             site_rows, chunks = host[item.site]
             key = (id(site_rows), id(rows))
             if key not in where:
-                where[key] = pieces(np.searchsorted(site_rows, rows), self.chunk_rows)
-            for chunk, index, part in where[key]:
+                at = np.searchsorted(site_rows, rows)
+                where[key] = (at, pieces(at, self.chunk_rows))
+            at, found = where[key]
+            if row_max is not None:
+                _check_finite(state, item, row_max[flight.row_max_at[item.site] + at], positions)
+            for chunk, index, part in found:
                 _keep_rows(state, item, chunks[chunk][index], positions[part], self.runtime.hidden_size)
         for state in closing if self.on_capture_complete is not None else ():
             if state.error is None:
@@ -167,6 +180,16 @@ def pieces(at: np.ndarray, chunk_rows: int) -> list[Piece]:
         index = slice(int(local[0]), int(local[-1]) + 1) if contiguous else torch.from_numpy(local)
         found.append((chunk, index, slice(a, b)))
     return found
+
+
+def _check_finite(state: RequestState, item: CaptureItem, row_max: np.ndarray, positions: np.ndarray) -> None:
+    """Fail the request if one of its rows holds NaN or inf (``row_max``: each row's largest magnitude)."""
+    bad = ~np.isfinite(row_max)
+    if state.error is None and bad.any():
+        state.error = (
+            f"the activations captured at {item.hook} are not finite (NaN or inf) at position "
+            f"{int(positions[np.argmax(bad)])}"
+        )
 
 
 def _keep_rows(state: RequestState, item: CaptureItem, block: torch.Tensor, positions: np.ndarray, width: int) -> None:
