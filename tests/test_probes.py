@@ -1,9 +1,11 @@
 """Linear probes: training recovers a separating direction; bad inputs are named; the scorer reads
-only the sample's own folder."""
+only the sample's own folder; cross-validation finds what is there and nothing that is not, and
+keeps every held-out fold (labels included) away from the L2 choice, the fit and the baseline."""
 
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -11,7 +13,21 @@ from inspect_ai.model import ModelName, ModelOutput
 from inspect_ai.scorer import Target
 from inspect_ai.solver import TaskState
 
-from inspect_tl_vllm.research.probes import load_probe, probe_scorer, probe_value, save_probe, train_probe
+from inspect_tl_vllm.research import probes
+from inspect_tl_vllm.research.probes import (
+    choose_l2,
+    cross_validate,
+    load_probe,
+    majority_baseline,
+    one_hot,
+    probe_scorer,
+    probe_value,
+    sample_metadata,
+    save_probe,
+    shuffled,
+    stratified_folds,
+    train_probe,
+)
 from inspect_tl_vllm.specs import TAG, SpecError
 from inspect_tl_vllm.store.disk import UnsafePathError, write_sample
 
@@ -65,3 +81,151 @@ def test_probe_scorer_refuses_a_file_name_leading_out_of_the_folder(tmp_path):
     state = TaskState(ModelName("tl-vllm/tiny"), "s", 1, "q", [], output=output)
     with pytest.raises(UnsafePathError, match=r"probe_scorer: sample 's' epoch 1 output metadata: file name '\.\./"):
         asyncio.run(probe_scorer(str(probe))(state, Target("")))
+
+
+SMALL_GRID = (1e-2, 1.0)  # two strengths keep the inner search quick
+
+
+def separable(n: int = 120, d: int = 8, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Noise features, the first of which carries the label with a wide margin."""
+    generator = torch.Generator().manual_seed(seed)
+    y = (torch.arange(n) % 2).float()[torch.randperm(n, generator=generator)]
+    x = torch.randn(n, d, generator=generator)
+    x[:, 0] = (2 * y - 1) * (2 + torch.rand(n, generator=generator))
+    return x, y
+
+
+def noise(n: int = 100, d: int = 40, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features unrelated to the labels; as many dimensions as a training fold has samples / 2, so a
+    probe that saw its held-out fold would fit it."""
+    generator = torch.Generator().manual_seed(seed)
+    y = (torch.arange(n) % 2).float()[torch.randperm(n, generator=generator)]
+    return torch.randn(n, d, generator=generator), y
+
+
+def test_stratified_folds_partition_the_samples_and_keep_both_classes_in_each():
+    y = torch.tensor([1.0] * 13 + [0.0] * 37)
+    folds = stratified_folds(y, 5, seed=0)
+    assert sorted(torch.cat(folds).tolist()) == list(range(50))
+    assert [len(f) for f in folds] == [10] * 5
+    for fold in folds:
+        assert 2 <= int(y[fold].sum()) <= 3  # 13 positives dealt over 5 folds
+    assert all(torch.equal(a, b) for a, b in zip(folds, stratified_folds(y, 5, seed=0), strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(folds, stratified_folds(y, 5, seed=1), strict=True))
+    with pytest.raises(SpecError, match="label 1 has 3"):
+        stratified_folds(torch.tensor([1.0] * 3 + [0.0] * 20), 5)
+
+
+def test_cross_validation_finds_a_separating_feature():
+    x, y = separable()
+    result = cross_validate(x, y, stratified_folds(y, 5), grid=SMALL_GRID)
+    assert result.accuracy().estimate >= 0.97
+    assert len(result.l2) == 5 and set(result.l2) <= set(SMALL_GRID)
+
+
+def test_cross_validation_on_noise_is_near_chance_and_its_interval_covers_one_half():
+    x, y = noise()
+    result = cross_validate(x, y, stratified_folds(y, 5), grid=SMALL_GRID)
+    interval = result.accuracy()
+    assert interval.low <= 0.5 <= interval.high
+    assert abs(interval.estimate - 0.5) < 0.15
+    # a probe scored on the samples it was trained on, as a leak would score it, lands far above
+    weight, bias = train_probe(x, y, l2=1e-2)
+    assert float((probes.predict(x, weight, bias) == y).float().mean()) > interval.high + 0.1
+
+
+def test_the_l2_choice_and_the_fit_never_see_the_held_out_fold(monkeypatch):
+    x, y = noise(n=60, d=6)
+    row_of = {tuple(row.tolist()): i for i, row in enumerate(x)}
+    folds = stratified_folds(y, 3)
+    seen: list[tuple[str, set[int]]] = []  # ("choose" | "inner fit" | "fit", rows)
+    choosing = []
+    real_choose, real_train = probes.choose_l2, probes.train_probe
+
+    def rows(features: torch.Tensor) -> set[int]:
+        return {row_of[tuple(row.tolist())] for row in features}
+
+    def spy_choose(features: torch.Tensor, labels: torch.Tensor, *args, **kwargs) -> float:
+        seen.append(("choose", rows(features)))
+        choosing.append(True)
+        try:
+            return real_choose(features, labels, *args, **kwargs)
+        finally:
+            choosing.pop()
+
+    def spy_train(features: torch.Tensor, labels: torch.Tensor, **kwargs) -> tuple:
+        seen.append(("inner fit" if choosing else "fit", rows(features)))
+        return real_train(features, labels, **kwargs)
+
+    monkeypatch.setattr(probes, "choose_l2", spy_choose)
+    monkeypatch.setattr(probes, "train_probe", spy_train)
+    cross_validate(x, y, folds, grid=SMALL_GRID)
+    # per fold: one choice, its inner fits, then the fold's fit
+    starts = [i for i, (kind, _) in enumerate(seen) if kind == "choose"] + [len(seen)]
+    assert len(starts) == 4
+    for fold, (start, end) in enumerate(zip(starts, starts[1:], strict=False)):
+        held = set(folds[fold].tolist())
+        training = set(range(60)) - held
+        calls = seen[start:end]
+        assert calls[0][1] == training and calls[-1] == ("fit", training)
+        inner = [r for kind, r in calls if kind == "inner fit"]
+        assert len(inner) == 3 * len(SMALL_GRID)
+        assert all(r < training for r in inner)
+
+
+def test_an_explicit_l2_skips_the_search(monkeypatch):
+    x, y = separable(n=40, d=3)
+
+    def refuse(*args, **kwargs) -> float:
+        raise AssertionError("choose_l2 called although l2 was given")
+
+    monkeypatch.setattr(probes, "choose_l2", refuse)
+    assert cross_validate(x, y, stratified_folds(y, 4), l2=0.5).l2 == (0.5,) * 4
+
+
+def test_choose_l2_picks_a_strength_that_does_better_out_of_fold():
+    """Two features carry the label; many noise features tempt a weak L2 into overfitting."""
+    generator = torch.Generator().manual_seed(3)
+    y = (torch.arange(40) % 2).float()
+    x = torch.randn(40, 60, generator=generator)
+    x[:, :2] += (2 * y - 1)[:, None] * 0.8
+    assert choose_l2(x, y, grid=(1e-3, 10.0)) == 10.0
+
+
+def test_the_baseline_predicts_with_the_training_folds_majority():
+    """Hand-made folds whose held-out majorities are the opposite of their training majorities."""
+    y = torch.tensor([1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0, 1.0])
+    folds = [torch.arange(0, 4), torch.arange(4, 10)]  # majorities 1 (3 of 4) and 0 (4 of 6)
+    result = majority_baseline(y, folds)
+    assert result.predictions.tolist() == [0.0] * 4 + [1.0] * 6
+    assert result.correct == 1 + 2  # a held-out majority would have scored 3 + 4
+    assert result.l2 == ()
+
+
+def test_the_shuffled_label_control_is_near_chance_on_separable_data():
+    x, y = separable()
+    permuted = shuffled(y, seed=0)
+    assert sorted(permuted.tolist()) == sorted(y.tolist()) and not torch.equal(permuted, y)
+    assert torch.equal(permuted, shuffled(y, seed=0))
+    interval = cross_validate(x, permuted, stratified_folds(permuted, 5), grid=SMALL_GRID).accuracy()
+    assert interval.low <= 0.5 <= interval.high
+
+
+def test_a_metadata_probe_reads_the_one_hot_category():
+    categories = ["arithmetic", "capital", "general", None] * 15
+    features, names = one_hot(categories)
+    assert names == ["None", "arithmetic", "capital", "general"]
+    assert features.sum(1).tolist() == [1.0] * 60 and features[0].tolist() == [0.0, 1.0, 0.0, 0.0]
+    y = torch.tensor([float(c == "capital") for c in categories])
+    assert cross_validate(features, y, stratified_folds(y, 5), grid=SMALL_GRID).accuracy().estimate == 1.0
+
+
+def test_sample_metadata_joins_by_sample_id_and_epoch():
+    samples = [
+        SimpleNamespace(id=1, epoch=1, metadata={"category": "capital"}),
+        SimpleNamespace(id="1", epoch=1, metadata={"category": "arithmetic"}),
+        SimpleNamespace(id=1, epoch=2, metadata=None),
+    ]
+    records = [SimpleNamespace(sample_id=i, epoch=e) for i, e in [(1, 2), ("1", 1), (1, 1), (7, 1)]]
+    found = sample_metadata(SimpleNamespace(samples=samples), records, "category")
+    assert found == [None, "arithmetic", "capital", None]

@@ -1,12 +1,21 @@
-"""Linear probes on captured activations: train one, and score samples with it in Inspect.
+"""Linear probes on captured activations: train one, measure it honestly, and score samples with it in Inspect.
 
 A probe file is safetensors with ``weight`` (hidden size) and ``bias`` (scalar) and metadata
 ``hook`` (the hook point it reads).  The scorer reads the sample's stored activations at that
 hook point (mean over rows if per token) and scores ``sigmoid(weight . x + bias)``.
+
+Measuring a probe: ``cross_validate`` gives every sample a prediction from a probe that never
+saw it, over stratified folds, with the L2 strength chosen inside each training fold (an inner
+cross-validation, ``choose_l2``), so that neither the weights nor the L2 choice has seen the
+held-out fold.  Beside it, ``majority_baseline`` (each fold predicted with its training fold's
+majority class), a probe on permuted labels (``shuffled``: what the procedure finds in noise)
+and a probe on a one-hot of sample metadata (``one_hot``: what the question's kind alone predicts).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +23,11 @@ import torch
 from inspect_ai.scorer import Score, Target, mean, scorer
 from inspect_ai.solver import TaskState
 
+from inspect_tl_vllm.research.stats import Interval, wilson_interval
 from inspect_tl_vllm.specs import TAG, SpecError
+
+L2_GRID = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
+"""The L2 strengths ``choose_l2`` tries: decades, from nearly none to strong."""
 
 
 def train_probe(features: torch.Tensor, labels: torch.Tensor, steps: int = 300, l2: float = 1e-3) -> tuple:
@@ -41,6 +54,135 @@ def train_probe(features: torch.Tensor, labels: torch.Tensor, steps: int = 300, 
     weight = (w / sd).detach()
     bias = (b - (mu / sd) @ w).detach()
     return weight, bias
+
+
+@dataclass(frozen=True)
+class OutOfFold:
+    """0/1 predictions for every sample, each from a model that did not see that sample, and the
+    labels they are scored against."""
+
+    predictions: torch.Tensor
+    labels: torch.Tensor
+    l2: tuple[float, ...] = ()
+    """The L2 strength used in each fold, in fold order (empty for the majority baseline)."""
+
+    @property
+    def correct(self) -> int:
+        """How many predictions equal their label."""
+        return int((self.predictions == self.labels).sum())
+
+    def accuracy(self) -> Interval:
+        """Accuracy over all out-of-fold predictions, with its 95% Wilson interval."""
+        return wilson_interval(self.correct, len(self.labels))
+
+
+def stratified_folds(labels: torch.Tensor, k: int = 5, seed: int = 0) -> list[torch.Tensor]:
+    """``k`` held-out index sets that partition the samples, each with about the same share of
+    each class: every class is shuffled with ``seed`` and the classes, one after the other, are
+    dealt to the folds in turn.  Each class needs at least ``k`` samples, so that every fold holds
+    both classes and every training fold can fit a probe."""
+    y = labels.float()
+    if k < 2:
+        raise SpecError(f"stratified_folds: need at least 2 folds, got {k}")
+    generator = torch.Generator().manual_seed(seed)
+    order = []
+    for value in (0.0, 1.0):
+        members = torch.nonzero(y == value).flatten()
+        if len(members) < k:
+            raise SpecError(
+                f"stratified_folds: {k} folds need at least {k} samples of each class; "
+                f"label {int(value)} has {len(members)}"
+            )
+        order.append(members[torch.randperm(len(members), generator=generator)])
+    dealt = torch.cat(order)
+    return [dealt[i::k].sort().values for i in range(k)]
+
+
+def training_indices(n: int, held_out: torch.Tensor) -> torch.Tensor:
+    """The indices in ``range(n)`` that ``held_out`` leaves: a fold's training samples."""
+    keep = torch.ones(n, dtype=torch.bool)
+    keep[held_out] = False
+    return torch.nonzero(keep).flatten()
+
+
+def predict(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """0/1 predictions of a probe: 1 where ``weight . x + bias > 0``."""
+    return (features.float() @ weight + bias > 0).float()
+
+
+def choose_l2(
+    features: torch.Tensor, labels: torch.Tensor, grid: Sequence[float] = L2_GRID, folds: int = 5, seed: int = 0
+) -> float:
+    """The L2 strength in ``grid`` with the best cross-validated accuracy on these samples alone.
+
+    Called with a training fold only, it keeps the held-out fold out of the choice.  Ties go to
+    the stronger L2, the simpler probe."""
+    splits = stratified_folds(labels, folds, seed)
+    scores = {l2: cross_validate(features, labels, splits, l2=l2).accuracy().estimate for l2 in grid}
+    return max(sorted(grid, reverse=True), key=lambda l2: scores[l2])
+
+
+def cross_validate(
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    folds: list[torch.Tensor],
+    l2: float | None = None,
+    grid: Sequence[float] = L2_GRID,
+    seed: int = 0,
+) -> OutOfFold:
+    """Out-of-fold predictions of a logistic probe: for each held-out fold, a probe trained on the
+    other folds.  ``l2=None`` chooses the L2 strength per fold with ``choose_l2`` on that fold's
+    training samples (inner folds as many as the outer ones, ``seed`` for their shuffle)."""
+    x, y = features.float(), labels.float()
+    predictions = torch.full_like(y, float("nan"))
+    chosen = []
+    for held in folds:
+        train = training_indices(len(y), held)
+        strength = choose_l2(x[train], y[train], grid, len(folds), seed) if l2 is None else l2
+        weight, bias = train_probe(x[train], y[train], l2=strength)
+        predictions[held] = predict(x[held], weight, bias)
+        chosen.append(strength)
+    if predictions.isnan().any():
+        raise SpecError("cross_validate: the folds must cover every sample")
+    return OutOfFold(predictions, y, tuple(chosen))
+
+
+def majority_baseline(labels: torch.Tensor, folds: list[torch.Tensor]) -> OutOfFold:
+    """Each held-out fold predicted with the majority class of its training fold (a tie predicts 0).
+
+    The training fold's majority, not the held-out fold's: the baseline must not see the labels it
+    is scored against any more than the probe does."""
+    y = labels.float()
+    predictions = torch.full_like(y, float("nan"))
+    for held in folds:
+        predictions[held] = float(y[training_indices(len(y), held)].mean() > 0.5)
+    if predictions.isnan().any():
+        raise SpecError("majority_baseline: the folds must cover every sample")
+    return OutOfFold(predictions, y)
+
+
+def shuffled(labels: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """The labels permuted once with ``seed``: a control target that no feature can predict, so
+    a probe's accuracy on it shows what the procedure finds in noise (about chance)."""
+    return labels[torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))]
+
+
+def one_hot(values: Sequence[Any]) -> tuple[torch.Tensor, list[str]]:
+    """Features of one column per distinct value (compared as text; None is a value of its own),
+    and the column names: the input of a probe that knows only the sample's metadata."""
+    names = sorted({str(v) for v in values})
+    column = {name: i for i, name in enumerate(names)}
+    features = torch.zeros(len(values), len(names))
+    for row, value in enumerate(values):
+        features[row, column[str(value)]] = 1.0
+    return features, names
+
+
+def sample_metadata(eval_log: Any, records: Sequence[Any], field: str) -> list[Any]:
+    """The metadata ``field`` of each record's sample (None where absent), joined by sample id and
+    epoch with the eval log's samples: the stored activations do not carry sample metadata."""
+    by_sample = {(repr(s.id), int(s.epoch)): s.metadata or {} for s in eval_log.samples or []}
+    return [by_sample.get((repr(r.sample_id), int(r.epoch)), {}).get(field) for r in records]
 
 
 def save_probe(path: str | Path, weight: torch.Tensor, bias: torch.Tensor, hook: str) -> None:
