@@ -1,0 +1,72 @@
+"""Intervals and tests for sweep reports and probes, small enough to read in one sitting.
+
+- Proportions (scores that are all 0 or 1): the Wilson score interval.  Unlike the normal
+  approximation it stays inside [0, 1] and keeps a width at 0/n and n/n (0/20 gives
+  [0, 0.161], not 0 +- 0).  Tests pin it to SciPy's ``binomtest(...).proportion_ci("wilson")``.
+- Other scores (a fluency measure, a probe's output): a percentile bootstrap of the mean, with a
+  fixed seed so that a report reproduces exactly.
+- Steering against random controls: with N control directions, each one eval, the one-sided
+  Monte Carlo p-value ``(1 + #{controls scoring >= steering}) / (N + 1)``.  Its smallest value
+  is 1 / (N + 1): 19 directions are needed before it can reach 0.05.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
+BOOTSTRAP_RESAMPLES = 10_000
+
+
+@dataclass(frozen=True)
+class Interval:
+    """A point estimate with a 95% interval, and the method that gave it."""
+
+    estimate: float
+    low: float
+    high: float
+    method: str
+
+    def __str__(self) -> str:
+        return f"{self.estimate:.3f} [{self.low:.3f}, {self.high:.3f}]"
+
+
+def wilson_interval(successes: int, n: int, z: float = Z95) -> Interval:
+    """Wilson score interval for ``successes`` out of ``n``."""
+    if n <= 0 or not 0 <= successes <= n:
+        raise ValueError(f"wilson_interval: need 0 <= successes <= n and n > 0, got {successes}/{n}")
+    p = successes / n
+    denominator = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    # at 0/n and n/n the bound is exactly 0 or 1; rounding must not push it past
+    return Interval(p, max(0.0, centre - half), min(1.0, centre + half), "Wilson score")
+
+
+def bootstrap_interval(values: list[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> Interval:
+    """Percentile bootstrap interval of the mean of ``values``."""
+    data = np.asarray(values, dtype=np.float64)
+    if data.size == 0 or not np.isfinite(data).all():
+        raise ValueError(f"bootstrap_interval: need finite values, got {data.size} values")
+    rng = np.random.default_rng(seed)
+    means = data[rng.integers(0, data.size, size=(resamples, data.size))].mean(axis=1)
+    low, high = np.quantile(means, [0.025, 0.975])
+    return Interval(float(data.mean()), float(low), float(high), f"percentile bootstrap ({resamples} resamples)")
+
+
+def mean_interval(values: list[float]) -> Interval:
+    """Wilson for 0/1 values, else the bootstrap: the interval a report shows for one point."""
+    if values and all(v in (0.0, 1.0) for v in values):
+        return wilson_interval(int(sum(values)), len(values))
+    return bootstrap_interval(values)
+
+
+def control_p_value(steering: float, controls: list[float]) -> float:
+    """One-sided Monte Carlo p-value of ``steering`` against the control directions' scores:
+    the chance that a random direction of the same norm scores at least as high."""
+    if not controls:
+        raise ValueError("control_p_value: no control scores")
+    return (1 + sum(c >= steering for c in controls)) / (len(controls) + 1)
