@@ -22,6 +22,7 @@ from inspect_ai.model import GenerateConfig
 from inspect_ai.scorer import Score, Target, accuracy, scorer, stderr
 from inspect_ai.solver import TaskState, generate
 
+from inspect_tl_vllm.research.fluency import fluency
 from inspect_tl_vllm.solvers import steer
 
 HERE = Path(__file__).resolve().parent
@@ -62,7 +63,8 @@ def steering_sweep(
     max_tokens: int = 40,
 ) -> Task:
     """One point of a sweep: the vector (or, with control_seed, a random direction of the same
-    norm) added at blocks.{layer}.hook_resid_post with coefficient ``coef``.  ``vector`` is a
+    norm) added at blocks.{layer}.hook_resid_post with coefficient ``coef``.  Scored twice: does
+    the answer talk about the sea, and how fluent is it to the unsteered model.  ``vector`` is a
     file (``path`` or ``path:key``) relative to this file's folder, as Inspect resolves task files."""
     from inspect_tl_vllm.research.controls import random_like
 
@@ -74,6 +76,6 @@ def steering_sweep(
     return Task(
         dataset=questions(),
         solver=solver,
-        scorer=mentions_ocean(),
+        scorer=[mentions_ocean(), fluency()],
         config=GenerateConfig(max_tokens=max_tokens, temperature=0.0),
     )

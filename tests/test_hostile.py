@@ -189,7 +189,12 @@ def test_non_finite_captures_fail_their_request_only(tiny_engine, baseline):
     the hook named; a clean request in the same batch keeps its result, and the engine serves on."""
     from inspect_tl_vllm.engine.frontend import SteeringNotApplied
 
-    sites = ("blocks.0.hook_resid_pre", "blocks.0.hook_resid_mid", "blocks.0.hook_resid_post", "blocks.1.hook_resid_mid")
+    sites = (
+        "blocks.0.hook_resid_pre",
+        "blocks.0.hook_resid_mid",
+        "blocks.0.hook_resid_post",
+        "blocks.1.hook_resid_mid",
+    )
     blow_up = [{"hook": site, "op": "scale", "coef": 1e6} for site in sites for _ in range(2)]
     hook = "blocks.2.hook_resid_post"
     specs = [

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
-from inspect_tl_vllm.research.sweep import is_degenerate, sweep_points
+from inspect_tl_vllm.research.sweep import control_seed, is_degenerate, sweep_points
 
 
 def test_random_control_keeps_norm_and_is_reproducible(tmp_path, monkeypatch):
@@ -29,11 +31,48 @@ def test_degenerate_outputs_are_flagged():
     assert not is_degenerate("My weekend is a mix of adventure and relaxation, with long walks by the river.")
 
 
-def test_sweep_points_pair_every_steered_point_with_controls():
-    points = sweep_points([0.0, 1.0], [3], controls=2)
-    assert {"coef": 0.0, "layer": 3} in points and {"coef": 1.0, "layer": 3, "control_seed": 1} in points
+def test_every_coefficient_draws_its_own_control_directions():
+    points = sweep_points([0.0, 1.0, 2.0], [3], controls=3)
+    assert len(points) == 3 + 2 * 3
     assert not any(p.get("control_seed") is not None and p["coef"] == 0 for p in points)
-    assert len(points) == 2 + 2
+    seeds = [p["control_seed"] for p in points if "control_seed" in p]
+    assert len(set(seeds)) == len(seeds)
+    # a point's seeds do not depend on the other points of the sweep
+    assert [p["control_seed"] for p in sweep_points([2.0], [3], controls=3) if "control_seed" in p] == seeds[3:]
+    assert control_seed(3, 1.0, 0) != control_seed(4, 1.0, 0)
+
+
+def test_control_directions_are_independent_draws(tmp_path, monkeypatch):
+    """Directions of one sweep's seeds: the vector's norm each, and pairwise as close to
+    orthogonal as independent draws in 512 dimensions are (|cos| about 0.044; 0.25 is 5.7 sd)."""
+    from safetensors.torch import load_file, save_file
+
+    from inspect_tl_vllm.research.controls import random_like
+
+    monkeypatch.setenv("TLVLLM_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "v.safetensors"
+    vector = torch.randn(512, generator=torch.Generator().manual_seed(0))
+    save_file({"v": vector}, str(source))
+    seeds = [p["control_seed"] for p in sweep_points([1.0, 2.0, 4.0], [12], controls=4) if "control_seed" in p]
+    directions = torch.stack([load_file(random_like(str(source), seed))["vector"] for seed in seeds])
+    assert torch.allclose(directions.norm(dim=1), vector.norm().expand(len(seeds)))
+    unit = directions / directions.norm(dim=1, keepdim=True)
+    cosines = (unit @ unit.T - torch.eye(len(seeds))).abs()
+    assert float(cosines.max()) < 0.25
+    assert float((unit @ (vector / vector.norm())).abs().max()) < 0.25
+
+
+def test_report_row_tests_steering_against_the_control_spread():
+    from inspect_tl_vllm.research.sweep import Point, Row
+
+    steering = Point(2.0, 12, None, scores=[1.0] * 18 + [0.0] * 2, fluency=[-1.0, -2.0] * 10, degenerate=1)
+    controls = [Point(2.0, 12, seed, scores=[float(i % 10 == seed % 10) for i in range(20)]) for seed in range(4)]
+    summary = Row(12, 2.0, steering, controls).summary()
+    assert summary["score"]["estimate"] == 0.9 and summary["score"]["method"] == "Wilson score"
+    assert summary["score"]["low"] == pytest.approx(0.698966, abs=1e-6)  # SciPy: binomtest(18, 20), Wilson
+    assert summary["fluency"]["estimate"] == pytest.approx(-1.5)
+    assert summary["controls"]["scores"] == [0.1] * 4 and summary["controls"]["seeds"] == [0, 1, 2, 3]
+    assert summary["controls"]["sd"] == 0.0 and summary["p_value"] == pytest.approx(1 / 5)
 
 
 @pytest.mark.engine
@@ -52,14 +91,14 @@ def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_pat
     task.write_text(
         "from inspect_ai import Task, task\nfrom inspect_ai.dataset import Sample\n"
         "from inspect_ai.scorer import includes\nfrom inspect_ai.solver import generate\n"
-        "from inspect_tl_vllm.solvers import steer\n"
+        "from inspect_tl_vllm.research.fluency import fluency\nfrom inspect_tl_vllm.solvers import steer\n"
         "@task\ndef t(coef: float = 0.0, layer: int = 1, control_seed: int | None = None, vector: str = ''):\n"
         "    from inspect_tl_vllm.research.controls import random_like\n"
         "    path = random_like(vector, control_seed) if control_seed is not None else vector\n"
         "    solver = steer([{'hook': f'blocks.{layer}.hook_resid_post', 'vector': path, 'coef': coef}]) "
         "if coef else generate()\n"
         "    return Task(dataset=[Sample(input='Hi', target='x'), Sample(input='Bye', target='y')], "
-        "solver=solver, scorer=includes())\n"
+        "solver=solver, scorer=[includes(), fluency()])\n"
     )
     monkeypatch.chdir(tmp_path)
     args = [
@@ -84,5 +123,11 @@ def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_pat
     assert main(["report", str(tmp_path / "logs")]) == 0
     table, png = report(str(tmp_path / "logs"))
     assert png.is_file() and png.stat().st_size > 1000
-    assert "| 1 | 0 | steering | 2 |" in table and "| 1 | 2 | random control | 2 |" in table
-    assert "| 1 | 2 | steering | 2 |" in table
+    rows = {line.split(" | ")[1]: line.split(" | ") for line in table.splitlines() if line.startswith("| 1 | ")}
+    assert set(rows) == {"0", "2"}
+    assert rows["0"][2] == "2" and rows["0"][6] == "—"  # the unsteered point has no controls
+    assert rows["2"][2] == "2" and rows["2"][6].startswith("1, ") and rows["2"][8] != "—"
+    assert float(rows["2"][4].split(" [")[0]) < 0  # fluency: a mean log-probability
+    saved = json.loads((tmp_path / "logs" / "report.json").read_text())
+    assert saved["method"].startswith("Intervals are 95%: Wilson")
+    assert saved["rows"][1]["controls"]["seeds"] == [control_seed(1, 2.0, 0)]

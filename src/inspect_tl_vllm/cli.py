@@ -98,13 +98,21 @@ def _key_values(items: list[str]) -> dict[str, object]:
 def _sweep(args: argparse.Namespace) -> int:
     from inspect_tl_vllm.research.sweep import run_sweep, sweep_points
 
+    if not 0 <= args.controls <= 1000:
+        print(f"sweep: --controls {args.controls} is out of range; give 0 to 1000 directions", file=sys.stderr)
+        return 2
     model_args = _key_values(args.M)
     points = sweep_points(
         [float(c) for c in args.coef.split(",")], [int(x) for x in args.layer.split(",")], args.controls
     )
     shared = _key_values(args.T)
     points = [{**shared, **point} for point in points]
-    run_sweep(args.task, points, model=args.model, model_args=model_args, log_dir=args.log_dir, limit=args.limit)
+    failed = run_sweep(
+        args.task, points, model=args.model, model_args=model_args, log_dir=args.log_dir, limit=args.limit
+    )
+    if failed:
+        print(f"sweep: {failed} of {len(points)} points failed (above); the report leaves them out", file=sys.stderr)
+        return 1
     print(f"sweep: done; run `tl-vllm report {args.log_dir}`")
     return 0
 
@@ -170,7 +178,12 @@ def main(argv: list[str] | None = None) -> int:
     sweep.add_argument("--model", default="tl-vllm/smollm2")
     sweep.add_argument("--coef", default="0,0.5,1,2", help="comma-separated coefficients")
     sweep.add_argument("--layer", default="12", help="comma-separated layers")
-    sweep.add_argument("--controls", type=int, default=2, help="random-direction controls per point")
+    sweep.add_argument(
+        "--controls",
+        type=int,
+        default=2,
+        help="random directions of the vector's norm, drawn anew at each nonzero coefficient (19 let p reach 0.05)",
+    )
     sweep.add_argument("--limit", type=int, default=None, help="samples per point")
     sweep.add_argument("-M", action="append", default=[], help="model arg KEY=VALUE (repeatable)")
     sweep.add_argument("-T", action="append", default=[], help="task arg KEY=VALUE for every point (repeatable)")

@@ -150,6 +150,37 @@ class TLVLLMAPI(ModelAPI):
         )
         return output, call
 
+    async def answer_logprobs(self, input: list[ChatMessage], answer: str, *, ended: bool) -> list[float]:
+        """The log-probability of each token of ``answer`` after ``input``, under the model with no
+        steering at all (neither run-wide nor the sample's): the engine scores the prompt and
+        the answer as one prompt (vLLM's ``prompt_logprobs``) and generates one token.
+        ``ended`` adds the end-of-turn token, when the answer stopped by itself.  Tokens past the
+        context (``max_model_len`` less one) are left out.  This is what
+        ``research.fluency.fluency()`` scores; it never passes through Inspect's cache."""
+        instrumented = await self.engine_thread.instrumented()
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        prompt_ids = self._prompt_ids(input, [])
+        answer_ids = list(self.tokenizer(answer, add_special_tokens=False)["input_ids"])
+        if ended and self.tokenizer.eos_token_id is not None:
+            answer_ids.append(self.tokenizer.eos_token_id)
+        if not answer_ids:
+            raise SpecError("answer_logprobs: the answer is empty and did not end by itself; nothing to score")
+        # an answer that ran to the end of the context is scored as far as it fits beside the one
+        # token the engine must generate
+        room = instrumented.llm.model_config.max_model_len - 1 - len(prompt_ids)
+        if room <= 0:
+            raise SpecError(f"answer_logprobs: the prompt alone has {len(prompt_ids)} tokens; raise -M max_model_len")
+        answer_ids = answer_ids[:room]
+        ids = prompt_ids + answer_ids
+        params = SamplingParams(
+            max_tokens=1, temperature=0.0, prompt_logprobs=0, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        final, _ = await self.engine_thread.run(lambda: self._run(instrumented, ids, params, None))
+        scored = final.prompt_logprobs[len(prompt_ids) :]
+        return [max(entry[token].logprob, MIN_LOGPROB) for entry, token in zip(scored, answer_ids, strict=True)]
+
     # -- request building ------------------------------------------------------------------
     def _spec_for(self, active: ActiveSample | None, config: GenerateConfig, where: str) -> RequestSpec | None:
         """Run-wide spec, then the sample's metadata spec (put in ``extra_body`` by the hook in

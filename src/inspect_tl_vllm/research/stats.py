@@ -42,8 +42,10 @@ def wilson_interval(successes: int, n: int, z: float = Z95) -> Interval:
     denominator = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    # at 0/n and n/n the bound is exactly 0 or 1; rounding must not push it past
-    return Interval(p, max(0.0, centre - half), min(1.0, centre + half), "Wilson score")
+    # at 0/n and n/n the bound is exactly 0 or 1, which rounding would miss
+    low = 0.0 if successes == 0 else max(0.0, centre - half)
+    high = 1.0 if successes == n else min(1.0, centre + half)
+    return Interval(p, low, high, "Wilson score")
 
 
 def bootstrap_interval(values: list[float], resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0) -> Interval:

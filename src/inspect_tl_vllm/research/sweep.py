@@ -5,20 +5,32 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inspect_tl_vllm.research.fluency import is_fluency_score
+from inspect_tl_vllm.research.stats import bootstrap_interval, control_p_value, mean_interval
+
+
+def control_seed(layer: int, coef: float, index: int) -> int:
+    """The seed of control direction ``index`` at one (layer, coefficient) point: each point
+    draws its own directions, so the controls measure chance over directions, and a point's
+    seeds do not depend on which other points the sweep has."""
+    return zlib.crc32(f"{layer}:{coef!r}:{index}".encode())
+
 
 def sweep_points(coefs: list[float], layers: list[int], controls: int) -> list[dict[str, Any]]:
+    """Every steered point, then ``controls`` random directions at each nonzero coefficient."""
     points = [{"coef": c, "layer": layer} for layer in layers for c in coefs]
     points += [
-        {"coef": c, "layer": layer, "control_seed": seed}
+        {"coef": c, "layer": layer, "control_seed": control_seed(layer, c, i)}
         for layer in layers
         for c in coefs
         if c != 0
-        for seed in range(controls)
+        for i in range(controls)
     ]
     return points
 
@@ -31,9 +43,11 @@ def run_sweep(
     model_args: dict[str, Any],
     log_dir: str,
     limit: int | None = None,
-) -> None:
+) -> int:
+    """Run every point; returns how many points' evals did not succeed (each is reported)."""
     from inspect_ai import eval
 
+    failed = 0
     for i, point in enumerate(points, start=1):
         label = ", ".join(f"{k}={v}" for k, v in point.items())
         print(f"sweep: point {i}/{len(points)}: {label}", flush=True)
@@ -42,9 +56,15 @@ def run_sweep(
         )
         for log in logs:
             metrics = {
-                k: round(m.value, 3) for s in (log.results.scores if log.results else []) for k, m in s.metrics.items()
+                f"{s.name}/{k}": round(m.value, 3)
+                for s in (log.results.scores if log.results else [])
+                for k, m in s.metrics.items()
             }
             print(f"sweep:   {log.status} {metrics}", flush=True)
+            if log.status != "success":
+                failed += 1
+                print(f"sweep:   {log.error.message if log.error else 'no error recorded'}", flush=True)
+    return failed
 
 
 def is_degenerate(text: str) -> bool:
@@ -66,105 +86,191 @@ def is_degenerate(text: str) -> bool:
 
 @dataclass
 class Point:
+    """One eval's scores: the steering vector at a coefficient, or one control direction."""
+
     coef: float
     layer: int | None
-    control: bool
+    seed: int | None  # the control direction's seed; None for the steering vector
     scores: list[float] = field(default_factory=list)
+    fluency: list[float] = field(default_factory=list)
     degenerate: int = 0
 
     @property
     def mean(self) -> float:
         return sum(self.scores) / len(self.scores) if self.scores else math.nan
 
-    @property
-    def ci95(self) -> float:
-        n = len(self.scores)
-        if n < 2:
-            return math.nan
-        var = sum((s - self.mean) ** 2 for s in self.scores) / (n - 1)
-        return 1.96 * math.sqrt(var / n)
+
+@dataclass
+class Row:
+    """One (layer, coefficient) line of the report: steering against its control directions."""
+
+    layer: int | None
+    coef: float
+    steering: Point | None
+    controls: list[Point]
+
+    def summary(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"layer": self.layer, "coef": self.coef}
+        if self.steering is not None and self.steering.scores:
+            out["n"] = len(self.steering.scores)
+            out["score"] = asdict(mean_interval(self.steering.scores))
+            out["degenerate"] = self.steering.degenerate
+            if self.steering.fluency:
+                out["fluency"] = asdict(bootstrap_interval(self.steering.fluency))
+        means = [c.mean for c in self.controls if c.scores]
+        if means:
+            out["controls"] = {
+                "directions": len(means),
+                "seeds": [c.seed for c in self.controls if c.scores],
+                "scores": means,
+                "mean": statistics.fmean(means),
+                "sd": statistics.stdev(means) if len(means) > 1 else math.nan,
+                "min": min(means),
+                "max": max(means),
+                "degenerate": sum(c.degenerate for c in self.controls),
+                "samples": sum(len(c.scores) for c in self.controls),
+            }
+            fluency = [f for c in self.controls for f in c.fluency]
+            if fluency:
+                out["controls"]["fluency"] = statistics.fmean(fluency)
+            if "score" in out:
+                out["p_value"] = control_p_value(out["score"]["estimate"], means)
+        return out
 
 
-def collect(log_dir: str) -> list[Point]:
-    """Score per point from every log in ``log_dir``; control seeds of one point are pooled."""
+def collect(log_dir: str) -> list[Row]:
+    """Scores per (layer, coefficient) from every successful log in ``log_dir``: the steering
+    vector's, and one entry per control direction (a direction's logs pool if it ran twice)."""
     from inspect_ai.log import list_eval_logs, read_eval_log
 
-    points: dict[tuple[float, int | None, bool], Point] = {}
+    points: dict[tuple[float, int | None, int | None], Point] = {}
     for info in list_eval_logs(log_dir):
         log = read_eval_log(info)
         if log.status != "success" or not log.samples:
             continue
         args = log.eval.task_args or {}
-        key = (float(args.get("coef", 0.0)), args.get("layer"), args.get("control_seed") is not None)
+        key = (float(args.get("coef", 0.0)), args.get("layer"), args.get("control_seed"))
         point = points.setdefault(key, Point(*key))
         for sample in log.samples:
             if not sample.scores:
                 continue
-            value = next(iter(sample.scores.values())).value
+            task_scores = {k: v for k, v in sample.scores.items() if not is_fluency_score(k)}
+            if not task_scores:
+                continue
+            value = next(iter(task_scores.values())).value
             point.scores.append(float(value) if isinstance(value, int | float) else float(value == "C"))
+            point.fluency += [float(v.value) for k, v in sample.scores.items() if is_fluency_score(k)]
             point.degenerate += is_degenerate(sample.output.completion)
-    return sorted(points.values(), key=lambda p: (p.control, p.layer or 0, p.coef))
+    rows: dict[tuple[int | None, float], Row] = {}
+    for (coef, layer, seed), point in sorted(points.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0], kv[0][2] or 0)):
+        row = rows.setdefault((layer, coef), Row(layer, coef, None, []))
+        if seed is None:
+            row.steering = point
+        else:
+            row.controls.append(point)
+    return list(rows.values())
+
+
+METHOD = (
+    "Intervals are 95%: Wilson score intervals for 0/1 scores, percentile bootstrap (10,000 resamples, seed 0) "
+    "of the mean otherwise. Controls are random directions with the vector's norm, drawn independently at each "
+    "coefficient (one eval each; seeds in report.json); the control columns give the spread of their mean scores "
+    "over directions, and p is the one-sided Monte Carlo p-value (1 + #directions scoring >= steering) / "
+    "(directions + 1), whose smallest value is 1 / (directions + 1). Fluency is the unsteered model's mean "
+    "log-probability per answer token (the fluency() scorer); degenerate counts repetitive answers."
+)
 
 
 def report(log_dir: str) -> tuple[str, Path]:
-    """Markdown table and PNG plot of score against coefficient; returns (table, png path)."""
-    points = collect(log_dir)
-    if not points:
+    """Markdown table and PNG plot of score (and fluency) against coefficient; returns (table, png)."""
+    rows = collect(log_dir)
+    if not rows:
         raise FileNotFoundError(f"no successful eval logs in {log_dir}")
-    lines = ["| layer | coef | vector | n | score | 95% CI | degenerate |", "|---|---|---|---|---|---|---|"]
-    for p in points:
-        kind = "random control" if p.control else "steering"
+    summaries = [row.summary() for row in rows]
+    lines = [
+        "| layer | coef | n | steering score [95% CI] | fluency [95% CI] | degenerate | "
+        "controls: directions, mean score (min–max) | control fluency | p |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in summaries:
+        score = _interval(s.get("score"))
+        fluency = _interval(s.get("fluency"))
+        degenerate = f"{s['degenerate']}/{s['n']}" if "n" in s else "—"
+        controls = s.get("controls")
+        if controls:
+            spread = f"{controls['directions']}, {controls['mean']:.3f} ({controls['min']:.3f}–{controls['max']:.3f})"
+            control_fluency = f"{controls['fluency']:.2f}" if "fluency" in controls else "—"
+        else:
+            spread = control_fluency = "—"
+        p = f"{s['p_value']:.3f}" if "p_value" in s else "—"
         lines.append(
-            f"| {p.layer} | {p.coef:g} | {kind} | {len(p.scores)} | {p.mean:.3f} | ±{p.ci95:.3f} | "
-            f"{p.degenerate}/{len(p.scores)} |"
+            f"| {s['layer']} | {s['coef']:g} | {s.get('n', '—')} | {score} | {fluency} | {degenerate} | "
+            f"{spread} | {control_fluency} | {p} |"
         )
-    table = "\n".join(lines)
+    table = "\n".join(lines) + "\n\n" + METHOD
     png = Path(log_dir) / "report.png"
-    _plot(points, png)
+    _plot(summaries, png, title=f"Steering sweep: {Path(log_dir).name}")
     (Path(log_dir) / "report.md").write_text(table + "\n")
-    (Path(log_dir) / "report.json").write_text(json.dumps([p.__dict__ for p in points], indent=1))
+    (Path(log_dir) / "report.json").write_text(json.dumps({"method": METHOD, "rows": summaries}, indent=1))
     return table, png
 
 
-def _plot(points: list[Point], path: Path) -> None:
+def _interval(value: dict[str, Any] | None) -> str:
+    return "—" if value is None else f"{value['estimate']:.3f} [{value['low']:.3f}, {value['high']:.3f}]"
+
+
+def _plot(summaries: list[dict[str, Any]], path: Path, title: str) -> None:
+    """Score (top) and fluency (bottom) against coefficient, per layer: the steering vector with
+    its intervals, the control directions' mean with their min–max band."""
     from inspect_tl_vllm.extras import require
 
     require("matplotlib", "the sweep report's plot").use("Agg")
     plt = require("matplotlib.pyplot", "the sweep report's plot")
 
-    fig, ax = plt.subplots(figsize=(6, 4))
-    series: dict[tuple[int | None, bool], list[Point]] = {}
-    for p in points:
-        series.setdefault((p.layer, p.control), []).append(p)
-    zero = {p.layer: p for p in points if p.coef == 0 and not p.control}
-    for (layer, control), items in sorted(series.items(), key=lambda kv: (kv[0][1], kv[0][0] or 0)):
-        if control and layer in zero:  # controls share the unsteered point at coef 0
-            items = [zero[layer], *items]
-        items.sort(key=lambda p: p.coef)
-        label = f"layer {layer} {'random control' if control else 'steering'}"
-        ax.errorbar(
-            [p.coef for p in items],
-            [p.mean for p in items],
-            yerr=[0 if math.isnan(p.ci95) else p.ci95 for p in items],
-            marker="o",
-            linestyle="--" if control else "-",
-            capsize=3,
-            label=label,
-        )
-        for p in items:
-            if p.degenerate:
-                ax.annotate(
-                    f"{p.degenerate} degenerate",
-                    (p.coef, p.mean),
-                    fontsize=7,
-                    textcoords="offset points",
-                    xytext=(4, 4),
+    has_fluency = any("fluency" in s for s in summaries)
+    fig, axes = plt.subplots(2 if has_fluency else 1, 1, figsize=(7, 7 if has_fluency else 4.2), sharex=True)
+    axes = list(axes) if has_fluency else [axes]
+    layers = sorted({s["layer"] for s in summaries}, key=lambda x: x or 0)
+    for layer in layers:
+        mine = sorted((s for s in summaries if s["layer"] == layer), key=lambda s: s["coef"])
+        steered = [s for s in mine if "score" in s]
+        controlled = [s for s in mine if "controls" in s]
+        for ax, key in zip(axes, ("score", "fluency"), strict=False):
+            with_key = [s for s in steered if key in s]
+            if with_key:
+                est = [s[key]["estimate"] for s in with_key]
+                ax.errorbar(
+                    [s["coef"] for s in with_key],
+                    est,
+                    yerr=[
+                        [max(0.0, e - s[key]["low"]) for e, s in zip(est, with_key, strict=True)],
+                        [max(0.0, s[key]["high"] - e) for e, s in zip(est, with_key, strict=True)],
+                    ],
+                    marker="o",
+                    capsize=3,
+                    label=f"layer {layer}: steering vector (95% CI)",
                 )
-    ax.set_xlabel("steering coefficient")
-    ax.set_ylabel("score")
-    ax.set_ylim(-0.05, 1.05)
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
+            if key == "score" and controlled:
+                xs = [s["coef"] for s in controlled]
+                ax.plot(xs, [s["controls"]["mean"] for s in controlled], "k--", marker="s", markersize=4,
+                        label=f"layer {layer}: random directions, mean")  # fmt: skip
+                ax.fill_between(xs, [s["controls"]["min"] for s in controlled],
+                                [s["controls"]["max"] for s in controlled], color="grey", alpha=0.25,
+                                label=f"layer {layer}: random directions, min–max")  # fmt: skip
+            if key == "fluency":
+                with_control = [s for s in controlled if "fluency" in s["controls"]]
+                if with_control:
+                    ax.plot([s["coef"] for s in with_control], [s["controls"]["fluency"] for s in with_control],
+                            "k--", marker="s", markersize=4, label=f"layer {layer}: random directions")  # fmt: skip
+    axes[0].set_title(title)
+    axes[0].set_ylabel("task score (mean over samples)")
+    if has_fluency:
+        axes[1].set_ylabel("fluency: unsteered log-prob per token")
+    for ax in axes:
+        ax.margins(y=0.08)  # limits follow the data, error bars included, so nothing is clipped
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="best")
+    axes[-1].set_xlabel("steering coefficient")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
