@@ -53,6 +53,8 @@ def main() -> int:
     )
     parser.add_argument("--control-metadata", default="category", help="sample metadata field of the control probe")
     args = parser.parse_args()
+    if args.l2 is not None and not 0 <= args.l2 <= 1e6:
+        parser.error(f"--l2 {args.l2}: give a value within 0 and 1e6")
 
     eval_log = read_eval_log(args.log)
     records = [r for r in activations.load(eval_log) if args.hook in r.activations and r.scores]

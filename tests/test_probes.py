@@ -229,3 +229,11 @@ def test_sample_metadata_joins_by_sample_id_and_epoch():
     records = [SimpleNamespace(sample_id=i, epoch=e) for i, e in [(1, 2), ("1", 1), (1, 1), (7, 1)]]
     found = sample_metadata(SimpleNamespace(samples=samples), records, "category")
     assert found == [None, "arithmetic", "capital", None]
+
+
+@pytest.mark.parametrize("l2", [-1.0, float("nan"), 1e7])
+def test_train_probe_refuses_an_l2_out_of_range(l2: float) -> None:
+    features = torch.randn(8, 3)
+    labels = torch.tensor([0.0, 1.0] * 4)
+    with pytest.raises(SpecError, match="l2 must be within 0 and 1e6"):
+        train_probe(features, labels, l2=l2)

@@ -38,6 +38,8 @@ def train_probe(features: torch.Tensor, labels: torch.Tensor, steps: int = 300, 
         raise SpecError(f"train_probe: features must be [N, d] and labels [N], got {tuple(x.shape)}, {tuple(y.shape)}")
     if y.min() == y.max():
         raise SpecError("train_probe: labels are all the same; a probe needs both classes")
+    if not 0 <= l2 <= 1e6:  # NaN fails this too
+        raise SpecError(f"train_probe: l2 must be within 0 and 1e6, got {l2}")
     mu, sd = x.mean(0), x.std(0).clamp_min(1e-6)
     z = (x - mu) / sd
     w = torch.zeros(x.shape[1], requires_grad=True)
