@@ -87,6 +87,18 @@ def test_unwritable_directory_is_reported_before_generation(tmp_path):
 def test_default_directory_sits_beside_the_log():
     assert str(activations_dir_for("/logs/x_task_abc.eval", "E", None)) == "/logs/x_task_abc.activations"
     assert str(activations_dir_for("/logs/x.eval", "E", "/data/acts")) == "/data/acts/E"
+    assert str(activations_dir_for("file:///logs/x.eval", "E", None)) == "/logs/x.activations"
+
+
+def test_a_remote_log_needs_a_local_activations_dir():
+    """Activations are written to local disk: beside a log in a bucket they would land in a local
+    folder named after the URL (``s3:/bucket/...``), so that is refused, naming the fix."""
+    from inspect_tl_vllm.specs import SpecError
+
+    for location in ("s3://bucket/logs/x.eval", "gs://b/x.eval", "az://c/x.json", "memory://x.eval"):
+        with pytest.raises(SpecError, match=r"activations_dir=LOCAL_DIR.*local --log-dir"):
+            activations_dir_for(location, "E", None)
+    assert str(activations_dir_for("s3://bucket/logs/x.eval", "E", "/data/acts")) == "/data/acts/E"
 
 
 # -- reading policy: one bad record is skipped (or, strict, raised), the others are returned -----------------

@@ -24,6 +24,7 @@ import errno
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -32,6 +33,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from inspect_tl_vllm.specs import SpecError
 
 INDEX = "index.jsonl"
 
@@ -83,10 +86,26 @@ def is_below(folder: Path, root: Path) -> bool:
     return resolved != base and resolved.is_relative_to(base)
 
 
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
 def activations_dir_for(log_location: str, eval_id: str, override: str | None) -> Path:
+    """The folder of an eval's activations: ``<log name>.activations`` beside a local log, or
+    ``override/<eval id>``.  Activations are written to local disk only, so a log that goes to
+    an fsspec location (``--log-dir s3://...``) needs ``-M activations_dir``; without it the
+    remote path would turn into a local folder named after it."""
     if override:
         return Path(override).expanduser() / eval_id
     base = log_location
+    url = _URL.match(base)
+    if url and url.group(1).lower() == "file":
+        base = base[len(url.group(0)) :]
+    elif url:
+        raise SpecError(
+            f"the eval log goes to {log_location}, and activations are stored on local disk only: pass "
+            "-M activations_dir=LOCAL_DIR (they go to LOCAL_DIR/<eval id>/, joined to the log by eval id) "
+            "or use a local --log-dir"
+        )
     for suffix in (".eval", ".json"):
         if base.endswith(suffix):
             base = base[: -len(suffix)]
