@@ -182,7 +182,7 @@ def test_a_feature_whose_extra_is_missing_names_the_extra(monkeypatch, tmp_path,
         if package == "pyarrow":
             activations.export_parquet([], tmp_path / "acts.parquet")
         else:
-            sweep._plot([], tmp_path / "report.png")
+            sweep._plot([], tmp_path / "report.png", title="sweep")
 
 
 def test_an_unsupported_vllm_is_left_untouched_and_refused_at_construction(monkeypatch):
