@@ -302,3 +302,41 @@ def test_imported_control_vector_steers_the_engine_like_the_inline_vector(tiny_e
     assert all(item["fired"] for item in steered.receipt["interventions"])
     plain = tiny_engine.generate(prompt, max_tokens=12)[0]
     assert steered.token_ids != plain.token_ids, "steering had no visible effect; the test proves nothing"
+
+
+def test_arrow_reader_streams_the_rows_the_parquet_export_writes(tmp_path):
+    """Batches of at most about ``batch_rows`` rows, one schema, the same rows as the export; and
+    ``iter_load`` reads a sample's file only when its record is reached."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from inspect_tl_vllm import activations
+
+    log = eval_log_with_activations(tmp_path)
+    out = tmp_path / "acts.parquet"
+    assert activations.export_parquet(activations.load(log), out) == 14
+    reader = activations.arrow_reader(log, batch_rows=3)
+    batches = list(reader)
+    assert len(batches) > 2 and all(b.num_rows <= 3 + 2 for b in batches)  # a sample's rows stay together
+    streamed = pa.Table.from_batches(batches, schema=reader.schema)
+    assert streamed.equals(pq.read_table(out))
+    assert streamed.schema.field("sample_id").type == pa.int64()
+
+    records = activations.iter_load(log)
+    first = next(records)
+    for path in activations_folder(log).glob("*.safetensors"):
+        path.unlink()  # the other samples' files go after the first record was read
+    with pytest.warns(activations.SkippedRecordWarning):
+        assert list(records) == []
+    assert first.activations and first.sample_id == 1
+    with pytest.raises(ValueError, match="batch_rows must be within 1 and 2"):
+        activations.arrow_reader(log, batch_rows=0)
+
+
+def activations_folder(log: Path) -> Path:
+    from inspect_ai.log import read_eval_log
+
+    from inspect_tl_vllm.store.disk import activations_dir_for
+
+    header = read_eval_log(str(log), header_only=True)
+    return activations_dir_for(header.location, header.eval.eval_id, None)

@@ -59,13 +59,19 @@ def load(
     changed, unparsable, or named outside the folder) should not hide every other sample, so by default
     its record is left out with a ``SkippedRecordWarning`` naming the file, the sample and the cause;
     ``strict=True`` raises that ``StoredFileError`` instead, for pipelines that must see every record.
+    Every record is in memory at once; ``iter_load`` and ``arrow_reader`` hold one at a time.
     """
-    from inspect_ai.log import read_eval_log
+    return list(iter_load(log, activations_dir, verify=verify, strict=strict))
 
-    eval_log = read_eval_log(str(log)) if isinstance(log, str | Path) else log
+
+def iter_load(
+    log: str | Path | Any, activations_dir: str | None = None, verify: bool = True, strict: bool = False
+) -> Iterator[SampleActivations]:
+    """``load``'s records one at a time, each file read when its record is reached, so that a run
+    of any size can be gone through in the memory of one sample."""
+    eval_log = _eval_log(log)
     directory = activations_dir_for(eval_log.location, eval_log.eval.eval_id, activations_dir)
     entries = {(repr(e["sample_id"]), int(e["epoch"])): e for e in read_index(directory)}
-    records = []
     for sample in eval_log.samples or []:
         entry = entries.get((repr(sample.id), int(sample.epoch)))
         if entry is None or entry.get("sample_uuid") not in (None, sample.uuid):
@@ -76,20 +82,49 @@ def load(
         except StoredFileError as err:
             if strict:
                 raise
-            warnings.warn(f"skipping a record: {err}", SkippedRecordWarning, stacklevel=2)
+            warnings.warn(f"skipping a record: {err}", SkippedRecordWarning, stacklevel=3)
             continue
-        scores = {name: score.value for name, score in (sample.scores or {}).items()}
-        records.append(
-            SampleActivations(
-                sample_id=sample.id,
-                epoch=sample.epoch,
-                sample_uuid=entry["sample_uuid"],
-                scores=scores,
-                activations=tensors,
-                index=entry,
-            )
+        yield SampleActivations(
+            sample_id=sample.id,
+            epoch=sample.epoch,
+            sample_uuid=entry["sample_uuid"],
+            scores=_scores(sample),
+            activations=tensors,
+            index=entry,
         )
-    return records
+
+
+def arrow_reader(
+    log: str | Path | Any,
+    activations_dir: str | None = None,
+    *,
+    batch_rows: int = 65_536,
+    verify: bool = True,
+    strict: bool = False,
+) -> Any:
+    """The rows ``export_parquet`` writes, as a ``pyarrow.RecordBatchReader`` of batches of about
+    ``batch_rows`` rows, read one sample at a time: a probe or SAE trainer, ``datasets``, DuckDB
+    (``duckdb.from_arrow(reader)``) or ``pyarrow.parquet`` go through any number of samples in
+    bounded memory.  Needs the ``[parquet]`` extra (pyarrow)."""
+    require("pyarrow", "the Arrow reader")
+    if not 1 <= batch_rows <= 1 << 24:
+        raise ValueError(f"arrow_reader: batch_rows must be within 1 and 2**24, got {batch_rows}")
+    eval_log = _eval_log(log)
+    samples = eval_log.samples or []
+    id_type = _arrow_column([sample.id for sample in samples]).type
+    score_types = _score_types(_scores(sample) for sample in samples)
+    records = iter_load(eval_log, activations_dir, verify=verify, strict=strict)
+    return _reader(records, id_type, score_types, batch_rows)
+
+
+def _eval_log(log: str | Path | Any) -> Any:
+    from inspect_ai.log import read_eval_log
+
+    return read_eval_log(str(log)) if isinstance(log, str | Path) else log
+
+
+def _scores(sample: Any) -> dict[str, Any]:
+    return {name: score.value for name, score in (sample.scores or {}).items()}
 
 
 def export_npz(records: list[SampleActivations], path: str | Path) -> int:
@@ -114,28 +149,89 @@ def export_parquet(records: list[SampleActivations], path: str | Path) -> int:
     Columns: ``sample_id``, ``epoch``, ``hook``, ``position`` (the token's position in the sequence;
     for files written before positions were stored, the row's index within the capture; null for
     captures reduced per sample), one ``score_<name>`` column per scorer, and ``vector`` (fixed-size
-    list of float32)."""
-    pa = require("pyarrow", "the Parquet export")
+    list of float32).  Written in row groups, batch by batch (``arrow_reader`` streams the same rows)."""
+    require("pyarrow", "the Parquet export")
     pq = require("pyarrow.parquet", "the Parquet export")
 
-    blocks = list(_parquet_blocks(records))
-    widths = {rows.shape[1] for _, _, rows, _ in blocks}
-    if len(widths) != 1:
-        found = f"widths {sorted(widths)}" if widths else "no activations"
-        raise ValueError(f"export: a Parquet file holds vectors of one width; found {found}")
+    id_type = _arrow_column([r.sample_id for r in records]).type
+    reader = _reader(iter(records), id_type, _score_types(r.scores for r in records), 65_536)
+    rows = 0
+    with pq.ParquetWriter(str(path), reader.schema) as writer:
+        for batch in reader:
+            writer.write_batch(batch)
+            rows += batch.num_rows
+    return rows
+
+
+def _reader(records: Iterator[SampleActivations], id_type: Any, score_types: dict[str, Any], batch_rows: int) -> Any:
+    """A RecordBatchReader over ``records``: the sample ids' and scores' Arrow types are given (one
+    schema for every batch), the vector width is the first record's."""
+    pa = require("pyarrow", "the Arrow reader")
+
+    blocks = _parquet_blocks(records)
+    first = next(blocks, None)
+    if first is None:
+        raise ValueError("export: a Parquet file holds vectors of one width; found no activations")
+    width = first[2].shape[1]
+    schema = pa.schema(
+        [
+            ("sample_id", id_type),
+            ("epoch", pa.int32()),
+            ("hook", pa.string()),
+            ("position", pa.int64()),
+            *((f"score_{name}", kind) for name, kind in sorted(score_types.items())),
+            ("vector", pa.list_(pa.float32(), width)),
+        ]
+    )
+
+    def batches() -> Iterator[Any]:
+        pending, count = [first], len(first[2])
+        for block in blocks:
+            if block[2].shape[1] != width:
+                raise ValueError(
+                    f"export: a Parquet file holds vectors of one width; found {width} and {block[2].shape[1]}"
+                )
+            if count >= batch_rows:
+                yield _batch(pending, schema, sorted(score_types))
+                pending, count = [], 0
+            pending.append(block)
+            count += len(block[2])
+        yield _batch(pending, schema, sorted(score_types))
+
+    return pa.RecordBatchReader.from_batches(schema, batches())
+
+
+def _batch(
+    blocks: list[tuple[SampleActivations, str, np.ndarray, list[int | None]]], schema: Any, scorers: list[str]
+) -> Any:
+    """One RecordBatch of ``blocks``' rows."""
+    pa = require("pyarrow", "the Arrow reader")
+
     expand = [i for i, (_, _, rows, _) in enumerate(blocks) for _ in range(len(rows))]
-    columns = {
-        "sample_id": _arrow_column([blocks[i][0].sample_id for i in expand]),
-        "epoch": pa.array([blocks[i][0].epoch for i in expand], pa.int32()),
-        "hook": pa.array([blocks[i][1] for i in expand], pa.string()),
-        "position": pa.array([p for *_, positions in blocks for p in positions], pa.int64()),
-    }
-    for name in sorted({name for record in records for name in record.scores}):
-        columns[f"score_{name}"] = _arrow_column([blocks[i][0].scores.get(name) for i in expand])
+    columns = [
+        _arrow_column([blocks[i][0].sample_id for i in expand], schema.field("sample_id").type),
+        pa.array([blocks[i][0].epoch for i in expand], pa.int32()),
+        pa.array([blocks[i][1] for i in expand], pa.string()),
+        pa.array([p for *_, positions in blocks for p in positions], pa.int64()),
+        *(
+            _arrow_column([blocks[i][0].scores.get(name) for i in expand], schema.field(f"score_{name}").type)
+            for name in scorers
+        ),
+    ]
     flat = np.concatenate([rows.reshape(-1) for _, _, rows, _ in blocks])
-    columns["vector"] = pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.float32()), widths.pop())
-    pq.write_table(pa.table(columns), str(path))
-    return len(expand)
+    width = schema.field("vector").type.list_size
+    columns.append(pa.FixedSizeListArray.from_arrays(pa.array(flat, pa.float32()), width))
+    return pa.RecordBatch.from_arrays(columns, schema=schema)
+
+
+def _score_types(score_dicts: Any) -> dict[str, Any]:
+    """The Arrow type of each scorer's column, from every value it has in the log (so that every
+    batch has the same schema); mixed kinds (say 'C' and 0.5) are JSON text."""
+    values: dict[str, list[Any]] = {}
+    for scores in score_dicts:
+        for name, value in scores.items():
+            values.setdefault(name, []).append(value)
+    return {name: _arrow_column(found).type for name, found in values.items()}
 
 
 def _parquet_blocks(
@@ -153,13 +249,13 @@ def _parquet_blocks(
                 yield record, hook, rows, stored.get(hook) or list(range(len(rows)))
 
 
-def _arrow_column(values: list[Any]) -> Any:
+def _arrow_column(values: list[Any], kind: Any = None) -> Any:
     """Values of one kind keep their Arrow type; mixed kinds (say 'C' and 0.5) become JSON text."""
     import json
 
     pa = require("pyarrow", "the Parquet export")
     try:
-        return pa.array(values)
+        return pa.array(values, kind)
     except (pa.ArrowInvalid, pa.ArrowTypeError):
         return pa.array([v if v is None or isinstance(v, str) else json.dumps(v, default=str) for v in values])
 
