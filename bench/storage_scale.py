@@ -289,7 +289,8 @@ def phase_write_log(args: argparse.Namespace) -> dict[str, Any]:
 def phase_load(args: argparse.Namespace) -> dict[str, Any]:
     """``activations.load`` joined with the log's samples and scores, then every tensor touched.
 
-    ``load`` returns a list: every sample's tensors are in memory at once, which the peak RSS shows."""
+    ``load`` returns a list: every sample's tensors are in memory at once, which the peak RSS shows;
+    ``--reader iter_load`` reads one sample at a time instead."""
     import inspect_ai.log
     import inspect_ai.scorer  # noqa: F401  (imported here so that the timings below leave Inspect's import out)
     import torch
@@ -301,17 +302,19 @@ def phase_load(args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     log = inspect_ai.log.read_eval_log(location) if args.log_from == "file" else eval_log(args, location)
     got_log = time.perf_counter()
-    records = activations.load(log)
+    records = activations.load(log) if args.reader == "load" else activations.iter_load(log)
     loaded = time.perf_counter()
-    total, count = 0.0, 0
+    total, count, found = 0.0, 0, 0
     for record in records:
+        found += 1
         for tensor in record.activations.values():
             total += float(torch.linalg.vector_norm(tensor.float()))
             count += 1
     done = time.perf_counter()
     return {
         "log_from": "read_eval_log(.eval file)" if args.log_from == "file" else "EvalLog built in memory",
-        "records": len(records),
+        "reader": args.reader,
+        "records": found,
         "tensors": count,
         "norm_sum": total,
         "log_s": got_log - started,
@@ -469,7 +472,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
     if directory.exists() and any(directory.iterdir()):
         raise SystemExit(f"{directory} is not empty: give --dir an empty or new folder")
     result: dict[str, Any] = {
-        "args": {k: v for k, v in vars(args).items() if k not in ("phase", "read_one", "via", "log_from")}
+        "args": {k: v for k, v in vars(args).items() if k not in ("phase", "read_one", "via", "log_from", "reader")}
     }
     result["machine"] = machine()
     result["load_average_start"] = os.getloadavg()
@@ -509,6 +512,10 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             say(f"activations.load, log from {log_from} (cold)", file=sys.stderr)
             key = "load_cold" if log_from == "memory" else "load_from_eval_file_cold"
             result["read_all"][key] = run_phase(args, "load", "--log-from", log_from)
+        if not args.no_evict:
+            evict(everything)
+        say("activations.iter_load, log from memory (cold)", file=sys.stderr)
+        result["read_all"]["iter_load_cold"] = run_phase(args, "load", "--reader", "iter_load")
         result["load_average_end"] = os.getloadavg()
         result["page_cache"] = (
             "not evicted (--no-evict)"
@@ -590,6 +597,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--read-one", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--via", choices=["index", "name"], default="index", help=argparse.SUPPRESS)
     parser.add_argument("--log-from", choices=["memory", "file"], default="memory", help=argparse.SUPPRESS)
+    parser.add_argument("--reader", choices=["load", "iter_load"], default="load", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if min(args.samples, args.hooks, args.width, args.rows, args.repeats) < 1:
         parser.error("--samples, --hooks, --width, --rows and --repeats must be at least 1")
