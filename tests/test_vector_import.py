@@ -340,3 +340,16 @@ def activations_folder(log: Path) -> Path:
 
     header = read_eval_log(str(log), header_only=True)
     return activations_dir_for(header.location, header.eval.eval_id, None)
+
+
+def test_parquet_export_refuses_vectors_of_two_widths(tmp_path):
+    from inspect_tl_vllm.store.activations import SampleActivations, export_parquet
+
+    records = [
+        SampleActivations(sample_id=i, epoch=1, sample_uuid=str(i), scores={}, activations={HOOK: torch.zeros(1, w)})
+        for i, w in enumerate((4, 8))
+    ]
+    with pytest.raises(ValueError, match="vectors of one width; found 4 and 8"):
+        export_parquet(records, tmp_path / "acts.parquet")
+    with pytest.raises(ValueError, match="found no activations"):
+        export_parquet([], tmp_path / "acts.parquet")
