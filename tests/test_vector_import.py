@@ -328,7 +328,8 @@ def test_arrow_reader_streams_the_rows_the_parquet_export_writes(tmp_path):
         path.unlink()  # the other samples' files go after the first record was read
     with pytest.warns(activations.SkippedRecordWarning):
         assert list(records) == []
-    assert first.activations and first.sample_id == 1
+    assert first.sample_id == 1
+    assert list(first.activations) == [HOOK, "blocks.2.hook_mlp_out"]  # the capture's order, every read
     with pytest.raises(ValueError, match="batch_rows must be within 1 and 2"):
         activations.arrow_reader(log, batch_rows=0)
 

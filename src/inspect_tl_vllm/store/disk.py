@@ -327,6 +327,9 @@ def read_sample(
     if verify and hashlib.sha256(blob).hexdigest() != entry.get("sha256"):
         raise StoredFileError(f"{where}: {path}: checksum mismatch (file changed or corrupt)")
     try:
-        return load(blob)
+        tensors = load(blob)
     except SafetensorError as err:
         raise StoredFileError(f"{where}: {path} is not a readable safetensors file ({err})") from err
+    # safetensors returns the tensors in no fixed order: give them in the index's (capture) order
+    recorded = [hook for hook in entry.get("hooks") or {} if hook in tensors]
+    return {hook: tensors[hook] for hook in recorded + sorted(set(tensors) - set(recorded))}
