@@ -173,13 +173,14 @@ def _reader(records: Iterator[SampleActivations], id_type: Any, score_types: dic
     if first is None:
         raise ValueError("export: a Parquet file holds vectors of one width; found no activations")
     width = first[2].shape[1]
+    scorers = sorted(score_types)
     schema = pa.schema(
         [
             ("sample_id", id_type),
             ("epoch", pa.int32()),
             ("hook", pa.string()),
             ("position", pa.int64()),
-            *((f"score_{name}", kind) for name, kind in sorted(score_types.items())),
+            *((f"score_{name}", score_types[name]) for name in scorers),
             ("vector", pa.list_(pa.float32(), width)),
         ]
     )
@@ -192,11 +193,11 @@ def _reader(records: Iterator[SampleActivations], id_type: Any, score_types: dic
                     f"export: a Parquet file holds vectors of one width; found {width} and {block[2].shape[1]}"
                 )
             if count >= batch_rows:
-                yield _batch(pending, schema, sorted(score_types))
+                yield _batch(pending, schema, scorers)
                 pending, count = [], 0
             pending.append(block)
             count += len(block[2])
-        yield _batch(pending, schema, sorted(score_types))
+        yield _batch(pending, schema, scorers)
 
     return pa.RecordBatchReader.from_batches(schema, batches())
 
