@@ -131,3 +131,11 @@ def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_pat
     saved = json.loads((tmp_path / "logs" / "report.json").read_text())
     assert saved["method"].startswith("Intervals are 95%: Wilson")
     assert saved["rows"][1]["controls"]["seeds"] == [control_seed(1, 2.0, 0)]
+
+
+@pytest.mark.parametrize("controls", ["-1", "1001"])
+def test_sweep_refuses_a_control_count_out_of_range(controls, capsys):
+    from inspect_tl_vllm.cli import main
+
+    assert main(["sweep", "absent_task.py", "--controls", controls]) == 2
+    assert f"--controls {controls} is out of range; give 0 to 1000 directions" in capsys.readouterr().err
