@@ -114,6 +114,30 @@ def test_overlong_prompt_fails_only_its_sample(provider_args, tiny_llama_dir, tm
     assert {r.sample_id for r in activations.load(log)} == {"ok1", "ok2"}
 
 
+def test_vllm_sampling_fields_in_extra_body_reach_the_engine_and_others_are_refused(
+    provider_args, tiny_llama_dir, tiny_engine, tmp_path
+):
+    """extra_body means what it means on Inspect's vllm/ provider (vLLM's server reads its sampling
+    fields from it): a stop token id ends the answer there; an unknown key or a NaN fails the sample."""
+    chat = [{"role": "user", "content": QUESTIONS[1]}]
+    plain = tiny_engine.generate([chat], max_tokens=8)[0]
+    assert len(plain.token_ids) == 8 and len(set(plain.token_ids[:3])) == 3, plain.token_ids
+    stop_at = plain.token_ids[2]
+    samples = [Sample(id="a", input=QUESTIONS[1])]
+    log = run_eval(tiny_llama_dir, provider_args, samples, tmp_path / "a", extra_body={"stop_token_ids": [stop_at]})
+    assert log.status == "success", log.error
+    assert log.samples[0].output.usage.output_tokens == 3  # two tokens, then the stop token
+    assert log.samples[0].output.choices[0].stop_reason == "stop"
+    for extra, words in [
+        ({"best_of": 2}, ["'best_of'", "ignore_eos"]),
+        ({"min_p": float("nan")}, ["extra_body", "min_p"]),
+        ({"min_tokens": -1}, ["extra_body", "min_tokens", "greater than or equal to 0"]),
+    ]:
+        log = run_eval(tiny_llama_dir, provider_args, samples, tmp_path / "bad", extra_body=extra, fail_on_error=False)
+        message = log.samples[0].error.message
+        assert all(word in message for word in words), message
+
+
 def test_bad_sample_spec_names_the_sample(provider_args, tiny_llama_dir, tmp_path):
     bad = {"tlvllm": {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [1.0] * 5}]}}
     log = run_eval(

@@ -249,10 +249,10 @@ def parse_request_spec(raw: Any, where: str = "spec") -> RequestSpec:
     except SpecError as err:
         raise SpecError(f"{where}: {err}") from None
     except ValueError as err:  # pydantic.ValidationError
-        raise SpecError(f"{where}: {_readable(err)}") from None
+        raise SpecError(f"{where}: {readable_error(err)}") from None
 
 
-def _readable(err: ValueError) -> str:
+def readable_error(err: ValueError) -> str:
     errors = getattr(err, "errors", None)
     if not callable(errors):
         return str(err)

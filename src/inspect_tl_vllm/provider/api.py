@@ -39,6 +39,7 @@ from inspect_tl_vllm.provider.active import ActiveSample, active_sample
 from inspect_tl_vllm.provider.engine_pool import EngineThread, shared_engine
 from inspect_tl_vllm.provider.model_args import parse_model_args
 from inspect_tl_vllm.provider.sample_spec import METADATA_KEY
+from inspect_tl_vllm.provider.sampling_extras import sampling_extras
 from inspect_tl_vllm.provider.tool_calls import parse_tool_calls
 from inspect_tl_vllm.specs import TAG, RequestSpec, SpecError, parse_request_spec
 from inspect_tl_vllm.wire import FetchedResult
@@ -215,8 +216,9 @@ class TLVLLMAPI(ModelAPI):
         the children of one request."""
         choices = config.num_choices or 1
         front = instrumented.instrumentation
+        extras = sampling_extras(config.extra_body, where)
         if spec is None:
-            return [(self._sampling_params(config, max_tokens, None, n=choices), None)]
+            return [(self._sampling_params(config, max_tokens, None, extras, n=choices), None)]
         steer_only = RequestSpec(interventions=spec.interventions)
         runs = []
         for i in range(choices):
@@ -224,7 +226,7 @@ class TLVLLMAPI(ModelAPI):
                 spec if i == 0 else steer_only, prompt_len=prompt_len, max_tokens=max_tokens, where=where
             )
             seed = None if config.seed is None else config.seed + i
-            runs.append((self._sampling_params(config, max_tokens, request, n=1, seed=seed), request))
+            runs.append((self._sampling_params(config, max_tokens, request, extras, n=1, seed=seed), request))
         return runs
 
     def _prompt_ids(self, input: list[ChatMessage], tools: list[ToolInfo]) -> list[int]:
@@ -252,6 +254,7 @@ class TLVLLMAPI(ModelAPI):
         config: GenerateConfig,
         max_tokens: int,
         prepared: PreparedRequest | None,
+        extras: dict[str, Any],
         *,
         n: int,
         seed: int | None = None,
@@ -272,6 +275,7 @@ class TLVLLMAPI(ModelAPI):
             args["stop"] = list(config.stop_seqs)
         if config.logprobs:
             args["logprobs"] = config.top_logprobs or 0
+        args.update(extras)  # vLLM's own fields from extra_body (ignore_eos, min_tokens, ...)
         # A fresh object per request, as vLLM's own OpenAI server makes: it need not be deep-copied.
         return SamplingParams(**args, **sampling_fields(prepared), skip_clone=True)
 
