@@ -7,7 +7,7 @@ A baseline for the planned storage redesign (sharded files, remote object stores
 safetensors file per sample and epoch plus one ``index.jsonl`` costs when an eval has 10^4 to 10^5
 samples. It writes N synthetic samples (ids ``s000001``..., epoch 1; by default a pooled capture of
 two hook points at SmolLM2's width) through exactly the calls the provider makes for a sample
-(``activations_dir_for``, ``check_writable`` once, ``write_sample``, ``record_dir``; see
+(``activations_dir_for``, ``Folder.check_writable`` once, ``write_sample``, ``record_dir``; see
 ``provider/api.py`` ``_record``), then measures:
 
 - **write**: wall time, rate, latency percentiles per sample and the rate per tenth of the run (does
@@ -103,10 +103,10 @@ def rss_bytes() -> int:
 
 def folders(root: Path) -> tuple[str, Path]:
     """The log location and the activations folder the provider would use for it (its default)."""
-    from inspect_tl_vllm.store.disk import activations_dir_for
+    from inspect_tl_vllm.store.layout import activations_dir_for
 
     location = str(root / LOG_NAME)
-    return location, activations_dir_for(location, EVAL_ID, None)
+    return location, activations_dir_for(location, EVAL_ID, None).path
 
 
 # --------------------------------------------------------------------------- phases (each in its own process)
@@ -118,7 +118,7 @@ def phase_write(args: argparse.Namespace) -> dict[str, Any]:
 
     import torch
 
-    from inspect_tl_vllm.store.disk import activations_dir_for, check_writable, record_dir, write_sample
+    from inspect_tl_vllm.store.layout import activations_dir_for, record_dir, write_sample
 
     rss_after_imports = rss_bytes()
     location, _ = folders(Path(args.dir))
@@ -130,14 +130,14 @@ def phase_write(args: argparse.Namespace) -> dict[str, Any]:
     positions = None if pooled else {hook: list(range(args.rows)) for hook in names}
     extra = {"model": "tl-vllm/smollm2-shape", "reduce": "mean" if pooled else "none"}
     latencies = array("d")
-    writable: set[Path] = set()
+    writable: set[object] = set()
     started = time.perf_counter()
     for index in range(1, args.samples + 1):
         tensors = {hook: torch.randn(args.rows, args.width, generator=generator).to(dtype) for hook in names}
         begun = time.perf_counter()
         directory = activations_dir_for(location, EVAL_ID, None)  # as the provider's _activations_dir
         if directory not in writable:
-            check_writable(directory)
+            directory.check_writable()
             writable.add(directory)
         entry = write_sample(
             directory,
@@ -181,7 +181,7 @@ def phase_read_one(args: argparse.Namespace) -> dict[str, Any]:
     """One sample by id, the way a fresh process gets it: through the index, or by its derived file name."""
     import torch
 
-    from inspect_tl_vllm.store.disk import read_index, read_sample, sample_file_name
+    from inspect_tl_vllm.store.layout import read_index, read_sample, sample_file_name
 
     imported = time.perf_counter()
     _, directory = folders(Path(args.dir))
@@ -213,7 +213,7 @@ def phase_read_all(args: argparse.Namespace) -> dict[str, Any]:
     """Every tensor through the storage layer's reader, streaming: only one sample's tensors live at a time."""
     import torch
 
-    from inspect_tl_vllm.store.disk import read_index, read_sample
+    from inspect_tl_vllm.store.layout import read_index, read_sample
 
     rss_after_imports = rss_bytes()
     _, directory = folders(Path(args.dir))
@@ -486,7 +486,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             say("writing the .eval log (Inspect's write_eval_log)", file=sys.stderr)
             result["eval_file"] = run_phase(args, "write-log")
         target = sample_id((args.samples + 1) // 2)
-        from inspect_tl_vllm.store.disk import sample_file_name
+        from inspect_tl_vllm.store.layout import sample_file_name
 
         files = [directory / "index.jsonl", directory / sample_file_name(target, 1)]
         result["read_one"] = {}

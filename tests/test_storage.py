@@ -15,11 +15,11 @@ from inspect_ai.log import EvalLog, EvalSample, write_eval_log
 from conftest import eval_spec
 from inspect_tl_vllm import activations
 from inspect_tl_vllm.store.activations import SkippedRecordWarning
-from inspect_tl_vllm.store.disk import (
+from inspect_tl_vllm.store.folders import folder_at
+from inspect_tl_vllm.store.layout import (
     INDEX,
     StoredFileError,
     activations_dir_for,
-    check_writable,
     read_index,
     read_sample,
     sample_file_name,
@@ -81,7 +81,7 @@ def test_unwritable_directory_is_reported_before_generation(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
     with pytest.raises(OSError, match="not writable.*activations_dir"):
-        check_writable(blocker / "sub")
+        folder_at(blocker / "sub").check_writable()
 
 
 def test_default_directory_sits_beside_the_log():
@@ -90,15 +90,17 @@ def test_default_directory_sits_beside_the_log():
     assert str(activations_dir_for("file:///logs/x.eval", "E", None)) == "/logs/x.activations"
 
 
-def test_a_remote_log_needs_a_local_activations_dir():
-    """Activations are written to local disk: beside a log in a bucket they would land in a local
-    folder named after the URL (``s3:/bucket/...``), so that is refused, naming the fix."""
+def test_a_remote_log_keeps_its_activations_beside_it_in_the_same_store():
+    """Beside a log in a bucket the folder is in that bucket too (not a local folder named after the
+    URL); ``-M activations_dir`` may be local or remote; a store fsspec cannot open is named."""
     from inspect_tl_vllm.specs import SpecError
 
-    for location in ("s3://bucket/logs/x.eval", "gs://b/x.eval", "az://c/x.json", "memory://x.eval"):
-        with pytest.raises(SpecError, match=r"activations_dir=LOCAL_DIR.*local --log-dir"):
-            activations_dir_for(location, "E", None)
+    assert activations_dir_for("s3://bucket/logs/x.eval", "E", None).location == "s3://bucket/logs/x.activations"
+    assert activations_dir_for("memory://logs/x.json", "E", None).location == "memory://logs/x.activations"
     assert str(activations_dir_for("s3://bucket/logs/x.eval", "E", "/data/acts")) == "/data/acts/E"
+    assert activations_dir_for("/logs/x.eval", "E", "s3://b/acts/").location == "s3://b/acts/E"
+    with pytest.raises(SpecError, match=r"nosuchstore://b/x.activations.*fsspec.*activations_dir"):
+        activations_dir_for("nosuchstore://b/x.eval", "E", None)
 
 
 # -- reading policy: one bad record is skipped (or, strict, raised), the others are returned -----------------
@@ -117,7 +119,7 @@ def log_with_bad_records(tmp_path, bad: list[str]) -> EvalLog:
     spec = eval_spec("E")
     samples = [EvalSample(id=i, epoch=1, input="q", target="a", uuid=f"u-{i}") for i in ids]
     log = EvalLog(eval=spec, samples=samples, location=str(tmp_path / "x.eval"))
-    directory = activations_dir_for(log.location, "E", None)
+    directory = activations_dir_for(log.location, "E", None).path
     entries = {i: write(directory, i, 1.0) for i in ids}
     for kind in bad:
         _spoil(directory, kind, entries[kind])

@@ -215,7 +215,7 @@ def eval_log_with_activations(tmp: Path) -> Path:
     from inspect_ai.model import ModelOutput, ModelUsage, get_model
     from inspect_ai.scorer import includes
 
-    from inspect_tl_vllm.store.disk import activations_dir_for, write_sample
+    from inspect_tl_vllm.store.layout import activations_dir_for, write_sample
 
     task = Task(
         dataset=[Sample(id=1, input="Say hi", target="Default"), Sample(id=2, input="Say bye", target="nowhere")],
@@ -227,7 +227,7 @@ def eval_log_with_activations(tmp: Path) -> Path:
     model = get_model("mockllm/model", custom_outputs=[answer] * 4)
     [log] = inspect_eval(task, model=model, log_dir=str(tmp / "logs"), display="none")
     assert log.status == "success", log.error
-    directory = activations_dir_for(log.location, log.eval.eval_id, None)
+    directory = activations_dir_for(log.location, log.eval.eval_id, None).path
     for sample in log.samples:
         seed = 10 * int(sample.id) + sample.epoch
         if sample.id == 1:
@@ -337,10 +337,10 @@ def test_arrow_reader_streams_the_rows_the_parquet_export_writes(tmp_path):
 def activations_folder(log: Path) -> Path:
     from inspect_ai.log import read_eval_log
 
-    from inspect_tl_vllm.store.disk import activations_dir_for
+    from inspect_tl_vllm.store.layout import activations_dir_for
 
     header = read_eval_log(str(log), header_only=True)
-    return activations_dir_for(header.location, header.eval.eval_id, None)
+    return activations_dir_for(header.location, header.eval.eval_id, None).path
 
 
 def test_parquet_export_refuses_vectors_of_two_widths(tmp_path):

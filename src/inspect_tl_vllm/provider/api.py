@@ -42,6 +42,7 @@ from inspect_tl_vllm.provider.sample_spec import METADATA_KEY
 from inspect_tl_vllm.provider.sampling_extras import sampling_extras
 from inspect_tl_vllm.provider.tool_calls import parse_tool_calls
 from inspect_tl_vllm.specs import TAG, RequestSpec, SpecError, parse_request_spec
+from inspect_tl_vllm.store.folders import Folder
 from inspect_tl_vllm.wire import FetchedResult
 
 STOP_REASONS = {"stop": "stop", "length": "max_tokens", "abort": "unknown"}
@@ -85,7 +86,7 @@ class TLVLLMAPI(ModelAPI):
         if template and Path(template).expanduser().is_file():
             template = Path(template).expanduser().read_text()
         self.chat_template = template
-        self._writable_dirs: set[Path] = set()
+        self._writable_dirs: set[Folder] = set()
 
     def max_connections(self) -> int:
         return DEFAULT_CONNECTIONS  # continuous batching: many samples in flight at once
@@ -136,7 +137,8 @@ class TLVLLMAPI(ModelAPI):
                 lifecycle.decode(front, payload, where if i == 0 else f"{where} choice {i}")
                 for i, (_, payload) in enumerate(results)
             ]
-            record = self._record(checked[0], prepared[0], active, where)
+            # in a thread: a store's upload (s3://...) must not hold up the other samples' requests
+            record = await asyncio.to_thread(self._record, checked[0], prepared[0], active, where)
             if len(runs) > 1:
                 record["choices"] = [result.receipt for result in checked]
             output.metadata = {TAG: record}
@@ -382,7 +384,7 @@ class TLVLLMAPI(ModelAPI):
             }
             record["activations"] = {"hooks": summary}
             if active is not None:
-                from inspect_tl_vllm.store.disk import record_dir, write_sample
+                from inspect_tl_vllm.store.layout import record_dir, write_sample
 
                 directory = self._activations_dir(active)
                 try:
@@ -406,13 +408,13 @@ class TLVLLMAPI(ModelAPI):
                 record["activations"].update({"dir": folder, "file": entry["file"], "sha256": entry["sha256"]})
         return record
 
-    def _activations_dir(self, active: ActiveSample) -> Path:
+    def _activations_dir(self, active: ActiveSample) -> Folder:
         """This eval's activations folder, checked for write access once per folder."""
-        from inspect_tl_vllm.store.disk import activations_dir_for, check_writable
+        from inspect_tl_vllm.store.layout import activations_dir_for
 
         directory = activations_dir_for(active.log_location, active.eval_id, self.settings.activations_dir)
         if directory not in self._writable_dirs:
-            check_writable(directory)
+            directory.check_writable()
             self._writable_dirs.add(directory)
         return directory
 

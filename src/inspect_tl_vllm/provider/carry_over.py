@@ -4,15 +4,16 @@
 eval id, and copy into it the samples that completed in the first log without running them
 again; with ``--cache``, Inspect answers a model call with an output stored by an earlier eval
 without calling the provider.  Either way the activations stay in the earlier log's
-``.activations/`` folder, so the new log's folder would lack them.  At task end this hook finds,
+``.activations`` folder, so the new log's folder would lack them.  At task end this hook finds,
 for each sample of the finished log without a file of its own, the file its outputs recorded
-(``ModelOutput.metadata["tlvllm"]["activations"]``: folder, file, sha256) and links it into this
-eval's folder under this sample, with an index line of its own: ``activations.load(<new log>)``
-then returns every sample once, and no sample is generated or stored twice.
+(``ModelOutput.metadata["tlvllm"]["activations"]``: folder, file, sha256) and adds it to this
+eval's folder under this sample (a hard link on disk, a server-side copy in an object store), with
+an index entry of its own: ``activations.load(<new log>)`` then returns every sample once, and no
+sample is generated or stored twice.
 
 A log is data that can be edited, so what it names is trusted only within bounds: a recorded folder
 must resolve below the folder holding the log or below the ``-M activations_dir`` root, and file
-names from its index must stay inside their folders (``store.disk.contained_file``). Anything else is
+names from its index must stay inside their folders (``Folder.file``). Anything else is
 skipped with a warning; carrying over never fails the eval.
 """
 
@@ -20,18 +21,18 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 from inspect_ai.hooks import Hooks, TaskEnd, hooks
 from inspect_ai.log import EvalLog, EvalSample
 
 from inspect_tl_vllm.specs import TAG
-from inspect_tl_vllm.store.disk import (
+from inspect_tl_vllm.store.folders import Folder, is_url, local_path
+from inspect_tl_vllm.store.layout import (
     StoredFileError,
     activations_dir_for,
-    is_below,
     link_sample,
+    log_parent,
     read_index,
     recorded_dir,
 )
@@ -62,8 +63,8 @@ def carry_over(log: EvalLog) -> int:
     directory = activations_dir_for(log.location, log.eval.eval_id, override)
     roots = _allowed_roots(log.location, override)
     own = {(repr(e["sample_id"]), int(e["epoch"])): e.get("sample_uuid") for e in read_index(directory)}
-    indexes: dict[Path, dict[tuple[Any, Any], dict[str, Any]]] = {}
-    refused: set[Path] = set()
+    indexes: dict[Folder, dict[tuple[Any, Any], dict[str, Any]]] = {}
+    refused: set[Folder] = set()
     missing: list[str] = []
     linked = 0
     for sample in _samples(log):
@@ -96,15 +97,15 @@ def carry_over(log: EvalLog) -> int:
 def _find_stored(
     sample: EvalSample,
     log_location: str,
-    directory: Path,
-    roots: list[Path],
-    indexes: dict[Path, dict[tuple[Any, Any], dict[str, Any]]],
-    refused: set[Path],
-) -> tuple[Path, dict[str, Any]] | None:
+    directory: Folder,
+    roots: list[str],
+    indexes: dict[Folder, dict[tuple[Any, Any], dict[str, Any]]],
+    refused: set[Folder],
+) -> tuple[Folder, dict[str, Any]] | None:
     """The folder and index entry of the file the sample's outputs name, in an allowed folder."""
     for folder, stored in _recorded_files(sample, log_location):
         for source in _candidates([folder], directory):
-            if not any(is_below(source, root) for root in roots):
+            if not any(source.is_below(root) for root in roots):
                 _warn_refused(sample, source, roots, refused)
                 continue
             if source not in indexes:
@@ -115,21 +116,21 @@ def _find_stored(
     return None
 
 
-def _allowed_roots(location: str, override: str | None) -> list[Path]:
+def _allowed_roots(location: str, override: str | None) -> list[str]:
     """Where a folder named by the log may lie: beside the log (the default place, and where logs
     moved together keep their folders) or under the ``-M activations_dir`` root the eval ran with."""
-    roots = [Path(location).parent]
+    roots = [log_parent(location)]
     if override:
-        roots.append(Path(override).expanduser())
+        roots.append(override if is_url(override) else local_path(override))
     return roots
 
 
-def _warn_refused(sample: EvalSample, folder: Path, roots: list[Path], refused: set[Path]) -> None:
+def _warn_refused(sample: EvalSample, folder: Folder, roots: list[str], refused: set[Folder]) -> None:
     """Warn once per refused folder (many samples record the same one), naming the first sample."""
     if folder in refused:
         return
     refused.add(folder)
-    allowed = " or ".join(str(root) for root in roots)
+    allowed = " or ".join(roots)
     logger.warning(
         f"tl-vllm: sample {sample.id!r} epoch {sample.epoch}: not carrying activations over from {folder}: "
         f"a folder recorded in the log must resolve below {allowed} (other samples naming it are skipped too); "
@@ -147,20 +148,20 @@ def _samples(log: EvalLog) -> Iterable[EvalSample]:
     return read_eval_log_samples(log.location, all_samples_required=False)
 
 
-def _candidates(recorded: Iterable[Path], directory: Path) -> Iterator[Path]:
+def _candidates(recorded: Iterable[Folder], directory: Folder) -> Iterator[Folder]:
     """Each recorded folder, then a folder of that name beside this one: logs moved together
     (or a relative log dir retried from elsewhere) keep their activations. A name that is empty
     or ``..`` names no folder beside this one, so it gives no second candidate."""
-    seen = {directory.resolve()}
+    seen = {directory}
     for folder in recorded:
-        beside = [] if folder.name in ("", "..") else [directory.parent / folder.name]
+        beside = [] if folder.name in ("", ".", "..") else [directory.sibling(folder.name)]
         for candidate in (folder, *beside):
-            if candidate.is_dir() and candidate.resolve() not in seen:  # is_dir first: a symlink loop is no dir
-                seen.add(candidate.resolve())
+            if candidate.exists() and candidate not in seen:  # exists first: a symlink loop is no folder
+                seen.add(candidate)
                 yield candidate
 
 
-def _recorded_files(sample: EvalSample, log_location: str) -> list[tuple[Path, tuple[str, str]]]:
+def _recorded_files(sample: EvalSample, log_location: str) -> list[tuple[Folder, tuple[str, str]]]:
     """(folder, (file, sha256)) of each activations file named by the sample's final output, then
     by each of its model calls (a cached call's output names the file of the eval that made it)."""
     outputs = [sample.output, *(getattr(e, "output", None) for e in sample.events if e.event == "model")]

@@ -217,7 +217,7 @@ def probe_scorer(probe: str) -> Any:
 
     async def score(state: TaskState, target: Target) -> Score:
         from inspect_tl_vllm.provider.active import active_sample
-        from inspect_tl_vllm.store.disk import read_sample, recorded_dir
+        from inspect_tl_vllm.store.layout import read_sample, recorded_dir
 
         stored = (state.output.metadata or {}).get(TAG, {}).get("activations", {})
         if "dir" not in stored:
@@ -225,7 +225,7 @@ def probe_scorer(probe: str) -> Any:
         # The file name is data from the output's metadata: read_sample keeps it inside the folder.
         where = f"probe_scorer: sample {state.sample_id!r} epoch {state.epoch} output metadata"
         active = active_sample()  # the folder is recorded relative to the log's folder
-        folder = recorded_dir(stored["dir"], active.log_location) if active is not None else Path(stored["dir"])
+        folder = recorded_dir(stored["dir"], active.log_location) if active is not None else stored["dir"]
         tensors = read_sample(folder, stored, where=where)
         return Score(value=probe_value(tensors, weight, bias, hook))
 

@@ -20,8 +20,7 @@ import numpy as np
 import torch
 
 from inspect_tl_vllm.extras import require
-from inspect_tl_vllm.store.disk import (
-    INDEX,
+from inspect_tl_vllm.store.layout import (
     StoredFileError,
     activations_dir_for,
     read_index,
@@ -76,7 +75,7 @@ def iter_load(
         entry = entries.get((repr(sample.id), int(sample.epoch)))
         if entry is None or entry.get("sample_uuid") not in (None, sample.uuid):
             continue  # no file, or one left by an earlier attempt of this (sample, epoch) that failed
-        where = f"{directory / INDEX}, sample {sample.id!r} epoch {sample.epoch}"
+        where = f"{directory.index_location}, sample {sample.id!r} epoch {sample.epoch}"
         try:
             tensors = read_sample(directory, entry, verify=verify, where=where)
         except StoredFileError as err:
