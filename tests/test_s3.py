@@ -142,7 +142,7 @@ def test_link_sample_copies_on_the_server_and_never_downloads(s3, bucket_dir, mo
     assert torch.equal(read_sample(f"{bucket_dir}/second", indexed)[HOOK], tensors(1)[HOOK])
 
 
-def test_activations_load_reads_a_log_in_the_bucket_joined_with_scores(s3, bucket_dir):
+def test_activations_load_reads_a_log_in_the_bucket_joined_with_scores(s3, bucket_dir, capsys):
     """A log written to the bucket with Inspect's own writer, its activations beside it."""
     from inspect_ai.log import write_eval_log
     from inspect_ai.scorer import Score
@@ -164,6 +164,8 @@ def test_activations_load_reads_a_log_in_the_bucket_joined_with_scores(s3, bucke
     records = activations.load(location)
     assert [(r.sample_id, r.scores) for r in records] == [("a", {"s": "a"}), ("b", {"s": "b"})]
     assert torch.equal(records[1].activations[HOOK], tensors(ord("b"))[HOOK])
+    assert activations.main([location]) == 0  # `tl-vllm activations s3://...`
+    assert "2 samples with activations, 0 skipped" in capsys.readouterr().out
 
 
 # -- the provider on the real CPU engine -------------------------------------------------------------

@@ -381,11 +381,11 @@ class RemoteFolder(Folder):
             paths = sorted(p for p in self.fs.find(folder) if p.endswith(".json"))
         except FileNotFoundError:
             return []
-        blobs = self.fs.cat(paths, on_error="return") if paths else {}
+        blobs = self.fs.cat(paths, on_error="return") if paths else {}  # a list: one dict, fetched concurrently
         found = []
         for path in paths:
-            blob = blobs.get(path) if isinstance(blobs, dict) else blobs
-            if isinstance(blob, Exception) or blob is None:
+            blob = blobs.get(path)
+            if not isinstance(blob, bytes):  # the error it raised, or nothing
                 warnings.warn(f"{path}: skipping an unreadable index entry ({blob})", stacklevel=3)
                 continue
             entry = _parse_entry(blob, path)
