@@ -164,6 +164,8 @@ def test_activations_load_reads_a_log_in_the_bucket_joined_with_scores(s3, bucke
     records = activations.load(location)
     assert [(r.sample_id, r.scores) for r in records] == [("a", {"s": "a"}), ("b", {"s": "b"})]
     assert torch.equal(records[1].activations[HOOK], tensors(ord("b"))[HOOK])
+    table = activations.arrow_reader(location).read_all()  # what a trainer streams, from the bucket
+    assert table.column("sample_id").to_pylist() == ["a"] * 3 + ["b"] * 3  # one row per stored token row
     assert activations.main([location]) == 0  # `tl-vllm activations s3://...`
     assert "2 samples with activations, 0 skipped" in capsys.readouterr().out
 
