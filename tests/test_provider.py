@@ -73,6 +73,9 @@ def test_eval_steers_only_where_asked_and_stores_matching_activations(
         assert stored.shape == direct.activations[HOOK].shape
         assert float((stored - direct.activations[HOOK]).norm() / direct.activations[HOOK].norm()) < 1e-5
         assert records[f"s{i}"].positions[HOOK] == direct.positions[HOOK]  # each row's token position
+        one = activations.read(log.location, f"s{i}", 1)  # through the log alone, no index
+        assert torch.equal(one.activations[HOOK], stored) and one.positions == records[f"s{i}"].positions
+        assert one.scores == records[f"s{i}"].scores
         meta = sample.output.metadata["tlvllm"]
         assert meta["activations"]["hooks"][HOOK]["shape"] == list(stored.shape)
         steered_rows = [x["rows"] for x in meta["receipt"]["interventions"]]

@@ -248,6 +248,9 @@ def test_eval_with_a_bucket_log_dir_stores_beside_the_log_and_eval_retry_carries
         direct = tiny_engine.generate([chat], specs=[spec], max_tokens=4)[0]
         assert torch.allclose(record.activations[HOOK], direct.activations[HOOK], rtol=1e-5, atol=1e-6)
 
+    carried_read = activations.read(retried.location, "s0", 1)  # from the first eval's folder, via the log
+    loaded = {r.sample_id: r for r in records}
+    assert torch.equal(carried_read.activations[HOOK], loaded["s0"].activations[HOOK])
     root = retried.location.removesuffix(".eval").removeprefix("s3://") + ".activations"
     entries = [json.loads(s3.cat_file(p)) for p in s3.find(f"{root}/index")]
     assert sorted(e["sample_id"] for e in entries) == ["s0", "s1", "s2"]

@@ -175,3 +175,30 @@ def test_cli_counts_skipped_records_and_strict_fails(tmp_path, capsys):
         activations.main([log.location, "--strict"])
     assert exit_info.value.code == 1
     assert "error:" in capsys.readouterr().err
+
+
+def test_read_finds_one_sample_through_the_log_and_names_what_it_cannot_use(tmp_path):
+    """``activations.read`` takes file, checksum and hook details from the sample's output in the
+    log (no index): it returns what ``load`` returns, and names a sample that stored nothing or a
+    file that changed."""
+    from inspect_ai.model import ModelOutput
+
+    location = str(tmp_path / "x.eval")
+    directory = activations_dir_for(location, "E", None).path
+    entries = {i: write(directory, i, float(n)) for n, i in enumerate(["a", "b"])}
+    samples = []
+    for i in ["a", "b", "plain"]:
+        output = ModelOutput.from_content("m", "answer")
+        if i in entries:
+            stored = {"dir": directory.name, "file": entries[i]["file"], "sha256": entries[i]["sha256"]}
+            output.metadata = {"tlvllm": {"activations": {"hooks": entries[i]["hooks"], **stored}}}
+        samples.append(EvalSample(id=i, epoch=1, input="q", target="a", uuid=f"u-{i}", output=output))
+    write_eval_log(EvalLog(eval=eval_spec("E"), samples=samples, location=location), location)
+    one = activations.read(location, "b")
+    hook = "blocks.0.hook_resid_post"
+    assert torch.equal(one.activations[hook], torch.full((2, 4), 1.0)) and one.sample_uuid == "u-b"
+    with pytest.raises(StoredFileError, match=r"sample 'plain' epoch 1: its output names no stored activations"):
+        activations.read(location, "plain")
+    (directory / entries["a"]["file"]).write_bytes(b"changed")
+    with pytest.raises(StoredFileError, match="sample 'a' epoch 1 output metadata.*checksum mismatch"):
+        activations.read(location, "a")

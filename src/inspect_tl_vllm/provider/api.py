@@ -405,7 +405,11 @@ class TLVLLMAPI(ModelAPI):
                 except OSError as err:  # disk full, file size limit: fail this sample, name it
                     raise OSError(err.errno, f"{where}: {err.strerror or err}") from err
                 folder = record_dir(directory, active.log_location)
-                record["activations"].update({"dir": folder, "file": entry["file"], "sha256": entry["sha256"]})
+                # the entry's hook details too (dtype, token count, positions): with them the log alone
+                # finds and describes the file (activations.read), with no index to go through
+                hooks = {hook: {**entry["hooks"][hook], **summary[hook]} for hook in summary}
+                stored = {"dir": folder, "file": entry["file"], "sha256": entry["sha256"]}
+                record["activations"] = {"hooks": hooks, **stored}
         return record
 
     def _activations_dir(self, active: ActiveSample) -> Folder:

@@ -3,6 +3,7 @@
 from inspect_tl_vllm import activations
 for record in activations.load("logs/2026-...eval"):
     record.sample_id, record.epoch, record.scores, record.activations["blocks.6.hook_resid_post"]
+one = activations.read("logs/2026-...eval", sample_id=17, epoch=1)  # one sample, no index read
 
 A record whose file is missing, fails its checksum, does not parse or is named so that it would lead
 outside the folder is skipped with a ``SkippedRecordWarning`` (``strict=True`` raises instead).
@@ -25,6 +26,7 @@ from inspect_tl_vllm.store.layout import (
     activations_dir_for,
     read_index,
     read_sample,
+    recorded_dir,
     unpack_positions,
 )
 
@@ -91,6 +93,36 @@ def iter_load(
             activations=tensors,
             index=entry,
         )
+
+
+def read(log: str | Path, sample_id: Any, epoch: int = 1, *, verify: bool = True) -> SampleActivations:
+    """One sample's activations, found through the log alone: Inspect reads that one sample of the
+    log, and its output names the file, its checksum and each hook's shape, dtype and positions.
+    No index is read, so this costs the same in a log of ten samples or a million.
+
+    Raises ``StoredFileError`` naming the sample when it stored no activations, or when its file is
+    missing, changed, unreadable or named outside its folder; Inspect's own error when the log has
+    no such sample."""
+    from inspect_ai.log import read_eval_log_sample
+
+    from inspect_tl_vllm.specs import TAG
+
+    sample = read_eval_log_sample(str(log), sample_id, epoch)
+    where = f"{log}: sample {sample_id!r} epoch {epoch}"
+    output = sample.output.metadata if sample.output is not None else None
+    stored = ((output or {}).get(TAG) or {}).get("activations") or {}
+    if not all(isinstance(stored.get(key), str) for key in ("dir", "file", "sha256")):
+        raise StoredFileError(f"{where}: its output names no stored activations (it captured nothing)")
+    entry = {
+        "sample_id": sample.id,
+        "epoch": sample.epoch,
+        "sample_uuid": sample.uuid,
+        "file": stored["file"],
+        "sha256": stored["sha256"],
+        "hooks": stored.get("hooks") or {},
+    }
+    tensors = read_sample(recorded_dir(stored["dir"], str(log)), entry, verify=verify, where=f"{where} output metadata")
+    return SampleActivations(sample.id, sample.epoch, sample.uuid or "", _scores(sample), tensors, entry)
 
 
 def arrow_reader(
