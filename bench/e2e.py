@@ -2,27 +2,40 @@
 through Inspect's own ``vllm/`` provider, timed from the command line and from the logs.
 
     python bench/e2e.py --samples 256 --max-tokens 256 --out e2e.json [--variants vllm,tl,tl_steer_capture]
+        [--warm-up] [--ignore-eos]
 
 Each variant is one ``inspect eval`` subprocess on the same task (``e2e_questions`` below:
 ``--samples`` chat questions, greedy, ``--max-tokens`` at most), with the same engine
 settings and ``--max-connections`` equal to the sample count.  Reported per variant: wall
-time (engine or server start included), the generation phase (first model call started to
-last model call finished, from the log's model events), output tokens, and the score.  The
-wall time is also split at those two instants (before the first call: start-up and engine
-boot; after the last: scoring and writing logs and activations).  ``tl-vllm`` runs through
-``inspect_timeline.py``, which records when its start-up steps (imports, model constructor,
-engine start) end; of ``vllm serve`` the time of its first output is kept.
+time (engine or server start and stop included), the time from the variant's start to its
+first model call, the generation phase (first model call started to last model call
+finished, from the log's model events), output tokens, output tokens per second over the
+wall time and over the generation phase, the score, and each of these as a ratio to the
+``vllm`` variant.  ``tl-vllm`` runs through ``inspect_timeline.py``, which records when its
+start-up steps (imports, model constructor, engine start) end; of ``vllm serve`` the time of
+its first output is kept.
+
+A wall ratio only compares like with like when both sides generate the same tokens: a
+steered model may answer at length where the plain one stops.  ``--ignore-eos`` therefore
+runs every variant with ``extra_body={"ignore_eos": True}`` (a vLLM sampling field that
+vLLM's OpenAI server and ``tl-vllm`` both read), so every sample generates exactly
+``--max-tokens`` tokens; ``equal_work`` in the summary says whether the output token counts
+did come out equal.  Each variant's completions are also compared with ``vllm``'s, sample by
+sample (``identical_completions_to_vllm``): on a plain greedy run, whether ``tl`` and ``vllm/``
+gave the same outputs is then measured rather than assumed.
 
 Whether an engine finds its torch.compile cache decides tens of seconds of its start, so the
 engine's start-up lines (weights, torch.compile and its cache, CUDA graphs) are kept per
 variant, each eval's whole output is saved next to ``--out``, and ``--warm-up`` first runs
 every variant once on one sample, untimed, so that each timed run starts with a warm cache.
+``--out`` is rewritten after every variant, so a run cut short keeps the variants it finished.
 
 ``tl-vllm`` boots with ``-M boot=eager`` so that its generation phase excludes the engine
 start.  Inspect's ``vllm/`` provider would start its server inside the first model call, so
 its model events would span the server start; this script therefore starts the same
 ``vllm serve`` server itself (plain vLLM: ``VLLM_PLUGINS=""``), times it until ``/health`` answers,
-points ``vllm/`` at it with ``-M port=...``, and reports wall = server start + eval.
+points ``vllm/`` at it with ``-M port=...``, stops it when the eval exits (as ``vllm/`` stops
+the server it starts), and counts all of it in ``vllm``'s wall time.
 """
 
 from __future__ import annotations
@@ -50,8 +63,11 @@ CAPTURE = ["-M", "capture=blocks.12.hook_resid_post", "-M", "capture_reduce=mean
 
 
 @task
-def e2e_questions(samples: int = 256, max_tokens: int = 256) -> Task:
-    """The shipped short-answer questions, repeated with a number so every prompt differs."""
+def e2e_questions(samples: int = 256, max_tokens: int = 256, ignore_eos: bool = False) -> Task:
+    """The shipped short-answer questions, repeated with a number so every prompt differs.
+
+    ``ignore_eos`` goes in the task's own ``extra_body`` rather than on the command line, so
+    that both providers receive it the same way whatever else a variant passes."""
     rows = [json.loads(line) for line in (ROOT / "evals/data/short_answers.jsonl").open()]
     dataset = [
         Sample(
@@ -65,7 +81,9 @@ def e2e_questions(samples: int = 256, max_tokens: int = 256) -> Task:
         dataset=MemoryDataset(dataset),
         solver=generate(),
         scorer=includes(),
-        config=GenerateConfig(max_tokens=max_tokens, temperature=0.0),
+        config=GenerateConfig(
+            max_tokens=max_tokens, temperature=0.0, extra_body={"ignore_eos": True} if ignore_eos else None
+        ),
     )
 
 
@@ -73,14 +91,17 @@ BOOT_LINES = ("Loading weights took", "Model loading took", "torch.compile take"
               "Compiling a graph", "Graph capturing finished", "init engine", "Directly load")  # fmt: skip
 
 
-def generation_phase(log_file: str, started: float | None = None, ended: float | None = None) -> dict[str, Any]:
-    """Seconds from the first model call's start to the last one's end, and token counts;
-    with the process's ``started``/``ended`` (epoch seconds), the time before and after."""
+def generation_phase(log_file: str, started: float, ended: float) -> tuple[dict[str, Any], dict[Any, str]]:
+    """From an eval log: seconds from the first model call's start to the last one's end, token
+    counts, the score, and, with the variant's ``started``/``ended`` (epoch seconds), the time
+    before the first call and after the last; with them each sample's completion by id, for
+    comparing variants."""
     from inspect_ai.log import read_eval_log
 
     log = read_eval_log(log_file)
-    starts, ends, output_tokens = [], [], 0
+    starts, ends, output_tokens, completions = [], [], 0, {}
     for sample in log.samples or []:
+        completions[sample.id] = sample.output.completion
         for event in sample.events:
             if event.event == "model" and event.completed is not None:
                 starts.append(event.timestamp.timestamp())
@@ -88,17 +109,23 @@ def generation_phase(log_file: str, started: float | None = None, ended: float |
                 if event.output.usage:
                     output_tokens += event.output.usage.output_tokens
     metrics = log.results.scores[0].metrics if log.results and log.results.scores else {}
-    phase = {
+    phase: dict[str, Any] = {
         "status": log.status,
         "samples": len(log.samples or []),
-        "generation_s": round(max(ends) - min(starts), 2) if starts else None,
         "output_tokens": output_tokens,
         "accuracy": metrics["accuracy"].value if "accuracy" in metrics else None,
     }
-    if starts and started is not None and ended is not None:
-        phase["before_first_call_s"] = round(min(starts) - started, 1)
-        phase["after_last_call_s"] = round(ended - max(ends), 1)
-    return phase
+    if starts:
+        generation = max(ends) - min(starts)
+        phase.update(
+            {
+                "to_first_call_s": round(min(starts) - started, 1),
+                "generation_s": round(generation, 2),
+                "after_last_call_s": round(ended - max(ends), 1),
+                "output_tok_s_generation": round(output_tokens / generation, 2) if generation > 0 else None,
+            }
+        )
+    return phase, completions
 
 
 def boot_lines(output: str) -> list[str]:
@@ -153,11 +180,19 @@ def start_vllm_server(
     raise TimeoutError(f"vllm serve did not answer /health within {args.timeout} s; see {log}")
 
 
-def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: Path) -> dict[str, Any]:
+def run_variant(
+    name: str, args: argparse.Namespace, model_path: str, log_dir: Path
+) -> tuple[dict[str, Any], dict[Any, str]]:
+    """One timed ``inspect eval`` of ``name``: its result row, and its completions by sample id."""
     engine = [arg for key, value in engine_settings(args).items() for arg in ("-M", f"{key}={value}")]
-    server, server_times = None, {"server_start_s": 0.0}
     target = log_dir / name
     timeline = target / "timeline.json"
+    target.mkdir(parents=True, exist_ok=True)
+    timeline.unlink(missing_ok=True)
+    # the variant's clock starts before the server does, so vllm's wall and time to the first
+    # call count its server start as tl-vllm's count its engine start
+    started, started_epoch = time.perf_counter(), time.time()
+    server, server_times = None, {}
     if name == "vllm":
         server, port, server_times = start_vllm_server(model_path, args, log_dir / "vllm-serve.log")
         model, engine, extra = f"vllm/{model_path}", [], ["-M", f"port={port}"]
@@ -166,33 +201,35 @@ def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: P
         model, extra = f"tl-vllm/{model_path}", ["-M", "boot=eager"]
         extra += STEER + CAPTURE if name == "tl_steer_capture" else []
         inspect = [sys.executable, str(Path(__file__).with_name("inspect_timeline.py")), str(timeline)]
-    target.mkdir(parents=True, exist_ok=True)
-    timeline.unlink(missing_ok=True)
     command = [
         *inspect, "eval", f"{Path(__file__).resolve()}@e2e_questions",
         "--model", model, *engine, *extra,
         "-T", f"samples={args.samples}", "-T", f"max_tokens={args.max_tokens}",
+        "-T", f"ignore_eos={str(args.ignore_eos).lower()}",
         # tl_default_connections: the provider's own default concurrency (no --max-connections)
         *([] if name == "tl_default_connections" else ["--max-connections", str(args.samples)]),
         "--log-dir", str(target), "--display", "plain",
     ]  # fmt: skip
     print(f"[e2e] {name}: {' '.join(command)}", flush=True)
-    started, started_epoch = time.perf_counter(), time.time()
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=args.timeout)
     finally:
         if server is not None:
+            stopping = time.perf_counter()
             server.terminate()
             server.wait(timeout=60)
-    wall = server_times["server_start_s"] + time.perf_counter() - started
+            server_times["server_stop_s"] = time.perf_counter() - stopping
+    wall = time.perf_counter() - started
     logs = sorted(target.glob("*.eval"))
     result: dict[str, Any] = {"variant": name, "wall_s": round(wall, 1), "returncode": done.returncode}
-    if server is not None:
-        result.update({key: round(value, 1) for key, value in server_times.items() if value is not None})
+    result.update({key: round(value, 1) for key, value in server_times.items() if value is not None})
     if timeline.exists():
         result["timeline_s"] = json.loads(timeline.read_text())
+    completions: dict[Any, str] = {}
     if logs:
-        result.update(generation_phase(str(logs[-1]), started_epoch, time.time()))
+        phase, completions = generation_phase(str(logs[-1]), started_epoch, started_epoch + wall)
+        result.update(phase)
+        result["output_tok_s_wall"] = round(result["output_tokens"] / wall, 2)
     server_log = (log_dir / "vllm-serve.log").read_text() if server is not None else ""
     result["engine_boot_lines"] = boot_lines(server_log + done.stdout + done.stderr)
     if args.out:
@@ -200,7 +237,55 @@ def run_variant(name: str, args: argparse.Namespace, model_path: str, log_dir: P
     if done.returncode != 0 or not logs:
         result["stderr_tail"] = done.stderr[-3000:]
     print(f"[e2e] {name}: {json.dumps({k: v for k, v in result.items() if k != 'stderr_tail'})}", flush=True)
-    return result
+    return result, completions
+
+
+def measures(r: dict[str, Any]) -> dict[str, float | None]:
+    """What the ratios to ``vllm`` divide: the token rates from the token counts rather than from
+    their rounded values, which on a short run would move a ratio by tens of percent."""
+    tokens = r.get("output_tokens")
+    return {
+        "wall": r.get("wall_s"),
+        "to_first_call": r.get("to_first_call_s"),
+        "generation": r.get("generation_s"),
+        "output_tok_s_wall": tokens / r["wall_s"] if tokens and r.get("wall_s") else None,
+        "output_tok_s_generation": tokens / r["generation_s"] if tokens and r.get("generation_s") else None,
+    }
+
+
+def summarize(
+    args: argparse.Namespace, results: list[dict[str, Any]], completions: dict[str, dict[Any, str]]
+) -> dict[str, Any]:
+    """The run's summary: results with their ratios to ``vllm``, whether the variants did equal
+    work (the same output tokens, with ``--ignore-eos`` exactly samples x max tokens each), and
+    how many of each variant's completions equal ``vllm``'s."""
+    summary: dict[str, Any] = {
+        "model": args.model,
+        "samples": args.samples,
+        "max_tokens": args.max_tokens,
+        "ignore_eos": args.ignore_eos,
+        "warm_up": args.warm_up,
+    }
+    tokens = [r.get("output_tokens") for r in results]
+    equal = bool(results) and all(r.get("status") == "success" for r in results) and len(set(tokens)) == 1
+    if args.ignore_eos:
+        summary["expected_output_tokens"] = args.samples * args.max_tokens
+        equal = equal and tokens[0] == summary["expected_output_tokens"]
+    summary["equal_work"] = equal
+    base = next((r for r in results if r["variant"] == "vllm" and r.get("generation_s")), None)
+    if base:
+        theirs = measures(base)
+        for r in results:
+            ours = measures(r)
+            r.update(
+                {f"{key}_ratio_to_vllm": round(ours[key] / theirs[key], 3) for key in ours if ours[key] and theirs[key]}
+            )
+            if r is not base:
+                mine = completions[r["variant"]]
+                same = sum(1 for sample_id, text in completions["vllm"].items() if mine.get(sample_id) == text)
+                r["identical_completions_to_vllm"] = {"identical": same, "total": len(completions["vllm"])}
+    summary["results"] = results
+    return summary
 
 
 def main() -> int:
@@ -219,10 +304,17 @@ def main() -> int:
         action="store_true",
         help="first run each variant once on one sample, untimed, so every timed run finds its compile cache warm",
     )
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help='every variant generates exactly --max-tokens per sample (extra_body={"ignore_eos": true}), '
+        "so that all do the same work",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     from gpu_check import report  # bench/ is on sys.path when this file runs as a script
+    from tables import e2e as e2e_table
 
     from inspect_tl_vllm.aliases import resolve_model
 
@@ -231,18 +323,18 @@ def main() -> int:
     if args.warm_up:  # same engine settings, so the timed runs below load what these compiled
         one = argparse.Namespace(**{**vars(args), "samples": 1, "max_tokens": 1, "out": None})
         for name in names:
-            warm = run_variant(name, one, model_path, Path(args.log_dir) / "warm-up")
+            warm, _ = run_variant(name, one, model_path, Path(args.log_dir) / "warm-up")
             print(f"[e2e] warm-up {name}: exit {warm['returncode']} in {warm['wall_s']} s", flush=True)
-    results = [run_variant(name, args, model_path, Path(args.log_dir)) for name in names]
-    summary = {"model": args.model, "samples": args.samples, "max_tokens": args.max_tokens, "results": results}
-    summary["warm_up"] = args.warm_up
-    base = next((r for r in results if r["variant"] == "vllm" and r.get("generation_s")), None)
-    if base:
-        for r in results:
-            if r.get("generation_s"):
-                r["wall_ratio_to_vllm"] = round(r["wall_s"] / base["wall_s"], 3)
-                r["generation_ratio_to_vllm"] = round(r["generation_s"] / base["generation_s"], 3)
+    results: list[dict[str, Any]] = []
+    completions: dict[str, dict[Any, str]] = {}
+    for name in names:
+        result, completions[name] = run_variant(name, args, model_path, Path(args.log_dir))
+        results.append(result)
+        if args.out:  # kept up to date, so that a run cut short by its timeout keeps what it finished
+            Path(args.out).write_text(json.dumps(summarize(args, results, completions), indent=2))
+    summary = summarize(args, results, completions)
     report(summary, args.out)
+    print("\n".join(e2e_table(summary)))
     return 0 if all(r["returncode"] == 0 for r in results) else 1
 
 

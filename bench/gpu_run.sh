@@ -12,6 +12,9 @@
 #                                          # profiles plain before the first and after the last (~3 min)
 #   bash bench/gpu_run.sh e2e-warm OUTDIR # inspect eval: vllm/ vs tl-vllm steered and captured, caches warm (~8 min)
 #   bash bench/gpu_run.sh e2e-connections OUTDIR  # tl-vllm with --max-connections 256 vs its default (~5 min)
+#   bash bench/gpu_run.sh e2e-equal OUTDIR  # vllm/ vs tl-vllm plain and steered + captured, every sample
+#                                          # exactly 256 tokens (ignore_eos), caches warm (~9 min; cut off at
+#                                          # 570 s, its JSON keeps the variants it finished)
 #
 # Other model shapes, and the peer hotwire-vllm (steering only) beside the instrumented engine,
 # all with weights at training-init scale:
@@ -37,7 +40,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|smol|smol-plain|1b|peers-1b|peers-8b OUTDIR}
+step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|peers-1b|peers-8b OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -96,6 +99,10 @@ case "$step" in
   e2e-warm)
     timeout 570 python3 bench/e2e.py --samples 256 --timeout 185 --warm-up --variants vllm,tl_steer_capture \
       --out "$out/e2e_warm.json" >"$log" 2>&1
+    ;;
+  e2e-equal)
+    timeout 570 python3 bench/e2e.py --samples 256 --max-tokens 256 --timeout 185 --warm-up --ignore-eos \
+      --variants vllm,tl,tl_steer_capture --out "$out/e2e_equal.json" >"$log" 2>&1
     ;;
   smol)
     timeout 570 python3 bench/throughput.py --model smollm2 --prompts 256 --new-tokens 256 --runs 5 \

@@ -205,22 +205,44 @@ def _median(values: Any) -> float:
 
 
 def e2e(data: dict[str, Any]) -> list[str]:
+    """The variants side by side; files written before ``--ignore-eos`` lack some columns (shown as —)."""
+    length = "exactly" if data.get("ignore_eos") else "up to"
     lines = [
-        f"End to end, {data['model']}: {data['samples']} samples, up to {data['max_tokens']} tokens",
+        f"End to end, {data['model']}: {data['samples']} samples, {length} {data['max_tokens']} tokens, "
+        f"warm-up={data.get('warm_up', '—')}, equal work={data.get('equal_work', '—')}",
         "",
-        "| variant | wall s | server start s | generation s | output tokens | accuracy | wall / vllm "
-        "| generation / vllm |",
-        "|---|---|---|---|---|---|---|---|",
+        "| variant | wall s | to first call s | generation s | output tokens | tok/s wall | tok/s generation "
+        "| accuracy | wall / vllm | first call / vllm | generation / vllm | tok/s wall / vllm "
+        "| tok/s generation / vllm | completions identical to vllm |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    keys = (
+        "wall_s",
+        "to_first_call_s",
+        "generation_s",
+        "output_tokens",
+        "output_tok_s_wall",
+        "output_tok_s_generation",
+        "accuracy",
+        "wall_ratio_to_vllm",
+        "to_first_call_ratio_to_vllm",
+        "generation_ratio_to_vllm",
+        "output_tok_s_wall_ratio_to_vllm",
+        "output_tok_s_generation_ratio_to_vllm",
+    )
     for r in data["results"]:
-        lines.append(
-            f"| {r['variant']} | {r['wall_s']} | {r.get('server_start_s', '—')} | {r.get('generation_s', '—')} "
-            f"| {r.get('output_tokens', '—')} | {r.get('accuracy', '—')} | {r.get('wall_ratio_to_vllm', '—')} "
-            f"| {r.get('generation_ratio_to_vllm', '—')} |"
-        )
+        same = r.get("identical_completions_to_vllm")
+        cells = ["—" if r.get(key) is None else str(r[key]) for key in keys]
+        cells.append(f"{same['identical']} / {same['total']}" if same else "—")
+        lines.append(f"| {r['variant']} | {' | '.join(cells)} |")
     for r in data["results"]:
-        if "first_output_s" in r:
-            lines += ["", f"{r['variant']}: the server wrote its first output {r['first_output_s']} s after its start."]
+        if "server_start_s" in r:
+            stop = f", took {r['server_stop_s']} s to stop" if "server_stop_s" in r else ""
+            lines += [
+                "",
+                f"{r['variant']}: the server wrote its first output {r.get('first_output_s', '—')} s after its start, "
+                f"answered /health after {r['server_start_s']} s{stop}.",
+            ]
         if "timeline_s" in r:
             lines += ["", f"{r['variant']}, start-up (seconds since the process started):", ""]
             lines += ["| step | s |", "|---|---|"] + [f"| {step} | {at} |" for step, at in r["timeline_s"].items()]
