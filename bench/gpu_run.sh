@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one entry point of the GPU benchmarks (bench/README.md, docs/BENCHMARKS.md): one step per
 # device call (at most 10 minutes each).  On a machine staged as ../shared/gpu/README.md says,
-# run `check` first: it installs this package and prepares SmolLM2, which every other step needs.
+# run `check` first: it installs this package and prepares SmolLM2, which every other step needs
+# (`install` does only that, ~1 min, when the checks are not wanted).
 #
 # The steps behind the current results in docs/BENCHMARKS.md:
 #   bash bench/gpu_run.sh check  OUTDIR   # install, prepare SmolLM2, hook_cost, router_cost, gpu_check (~4 min)
@@ -19,6 +20,7 @@
 # Other model shapes, and the peer hotwire-vllm (steering only) beside the instrumented engine,
 # all with weights at training-init scale:
 #   bash bench/gpu_run.sh 1b     OUTDIR   # throughput, Llama-3.2-1B shape, the five standard variants (~3 min)
+#   bash bench/gpu_run.sh 1b-long OUTDIR  # the same with 10 rounds, for medians that resolve 1-2% (~5 min)
 #   bash bench/gpu_run.sh peers-1b OUTDIR # the five and hotwire, Llama-3.2-1B shape, three engines at 0.3 of
 #                                          # the GPU's memory each (~4 min)
 #   bash bench/gpu_run.sh peers-8b OUTDIR # the same, Llama-3-8B shape (~6 min: hotwire compiles cold)
@@ -40,7 +42,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh check|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|peers-1b|peers-8b OUTDIR}
+step=${1:?usage: gpu_run.sh install|check|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|1b-long|peers-1b|peers-8b OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -50,6 +52,10 @@ if [ -f /tmp/tlvllm-fused-off ]; then
 fi
 log="$out/$step.log"
 case "$step" in
+  install)
+    python3 -m pip install -q --no-deps --no-index --no-build-isolation . >"$log" 2>&1 &&
+      python3 -m inspect_tl_vllm.cli prepare-model smollm2 >>"$log" 2>&1
+    ;;
   check)
     python3 -m pip install -q --no-deps --no-index --no-build-isolation . >"$log" 2>&1
     python3 -m inspect_tl_vllm.cli prepare-model smollm2 >>"$log" 2>&1
@@ -115,6 +121,10 @@ case "$step" in
   1b)
     timeout 570 python3 bench/throughput.py --model llama1b-shape --prompts 256 --new-tokens 256 --runs 5 \
       --weights scaled --out "$out/throughput_1b_scaled.json" >"$log" 2>&1
+    ;;
+  1b-long)
+    timeout 570 python3 bench/throughput.py --model llama1b-shape --prompts 256 --new-tokens 256 --runs 10 \
+      --weights scaled --out "$out/throughput_1b_scaled_long.json" >"$log" 2>&1
     ;;
   peers-1b | peers-8b)
     size=${step#peers-}
