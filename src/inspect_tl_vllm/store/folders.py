@@ -366,7 +366,8 @@ class RemoteFolder(Folder):
     def read(self, name: str, where: str) -> bytes:
         location = self.file(name, where)
         try:
-            return self.fs.cat_file(self._path(name))
+            # start=0: one GET (without a range, s3fs first asks the object's size with a HEAD)
+            return self.fs.cat_file(self._path(name), start=0)
         except Exception as err:  # noqa: BLE001
             raise StoredFileError(f"{where}: cannot read {location} ({type(err).__name__}: {err})") from err
 
@@ -398,7 +399,9 @@ class RemoteFolder(Folder):
         if isinstance(source, RemoteFolder) and source.fs.protocol == self.fs.protocol:
             source.file(name, where)
             try:
-                self.fs.copy(source._path(name), self._path(target))  # server-side where the store has it
+                # server-side where the store has it (S3 CopyObject); cp_file, not copy, which lists
+                # both sides first to tell files from folders
+                self.fs.cp_file(source._path(name), self._path(target))
                 return
             except FileNotFoundError as err:
                 raise StoredFileError(f"{where}: cannot read {source.file(name, where)} ({err})") from err
