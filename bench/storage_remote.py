@@ -68,6 +68,9 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs
 
+# the local benchmark's synthetic samples, so that the two layouts store the same (bench/ is on sys.path)
+from storage_scale import POOLED_TOKENS, hooks, sample_id, sample_uuid
+
 EVAL_ID = "bench-storage-remote"
 RETRY_EVAL_ID = "bench-storage-remote-retry"
 BUCKET = "tlvllm-bench"
@@ -75,10 +78,6 @@ LOG_NAME = "bench.eval"
 """The first eval's log; its activations folder is the default sibling ``bench.activations``."""
 RETRY_LOG_NAME = "bench-retry.eval"
 """The log of the eval that carries samples over (``eval-retry``): ``bench-retry.activations``."""
-POOLED_TOKENS = 64
-"""Token rows a pooled capture stands for, as the provider records in ``tokens``."""
-HOOK_LAYERS = (6, 12, 18, 24, 29, 3, 9, 15, 21, 27)
-"""Layers the synthetic hook points sit at (as in ``storage_scale.py``); only their names are stored."""
 KINDS = ("PUT", "COPY", "GET", "LIST", "HEAD", "DELETE", "POST", "OTHER")
 """Request kinds the server counts; COPY is a PUT with ``x-amz-copy-source``, LIST a GET with ``list-type``."""
 COUNTS_PATH = "/_bench/counts"
@@ -207,22 +206,6 @@ def difference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- the workload
-
-
-def hooks(count: int) -> list[str]:
-    """Hook point names of the synthetic capture (as ``storage_scale.py``)."""
-    layers = list(HOOK_LAYERS[:count]) + list(range(30, 30 + max(0, count - len(HOOK_LAYERS))))
-    return [f"blocks.{layer}.hook_resid_post" for layer in layers]
-
-
-def sample_id(index: int) -> str:
-    """The id of the ``index``-th sample (1-based), ``s000001``...: sortable, plain."""
-    return f"s{index:06d}"
-
-
-def sample_uuid(index: int) -> str:
-    """A 22-character uuid like Inspect's (shortuuid), deterministic here."""
-    return f"u{index:021d}"
 
 
 def percentiles(seconds: list[float]) -> dict[str, float]:
@@ -571,7 +554,7 @@ def table(result: dict[str, Any]) -> str:
         ("read_one_index", "read one via index", None),
         ("read_one_name", "read one by name", None),
         ("read_all", "read all", n),
-        ("carry_over", f"carry-over {result['args']['carry']}", result["args"]["carry"]),
+        ("carry_over", f"carry-over {min(n, result['args']['carry'])}", min(n, result["args"]["carry"])),
     ]
     for key, label, per in phases:
         for store in ("local", "s3"):
