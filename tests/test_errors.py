@@ -7,6 +7,7 @@ point (a lazily booted engine would otherwise fail at the first sample, after th
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -186,6 +187,7 @@ def test_a_feature_whose_extra_is_missing_names_the_extra(monkeypatch, tmp_path,
 
 
 def test_an_unsupported_vllm_is_left_untouched_and_refused_at_construction(monkeypatch):
+    import vllm
     from vllm.v1.worker import gpu_worker
 
     from inspect_tl_vllm.engine import plugin
@@ -195,11 +197,31 @@ def test_an_unsupported_vllm_is_left_untouched_and_refused_at_construction(monke
         return None
 
     monkeypatch.setattr(gpu_worker.Worker, "load_model", load_model)
+    installed = vllm.__version__.split("+")[0]  # either supported release: the suite runs on both
     monkeypatch.setattr(plugin, "SUPPORTED_VLLM", ("0.0.1",))
     plugin.register()
     assert gpu_worker.Worker.load_model is load_model
-    with pytest.raises(RuntimeError, match=r"tl-vllm supports vLLM 0\.0\.1, but vLLM 0\.20\.2 is installed"):
+    refusal = rf"tl-vllm supports vLLM 0\.0\.1, but vLLM {re.escape(installed)} is installed"
+    with pytest.raises(RuntimeError, match=refusal):
         construct_instrumented_llm("smollm2")
-    monkeypatch.setattr(plugin, "SUPPORTED_VLLM", ("0.20.2",))
+    monkeypatch.setattr(plugin, "SUPPORTED_VLLM", (installed,))
     plugin.register()
     assert gpu_worker.Worker.load_model is not load_model  # the check above could fail
+
+
+def test_a_model_runner_other_than_v1_is_refused_by_name() -> None:
+    """vLLM 0.32+ picks its V2 model runner on CUDA by default; the construction keeps V1, and a
+    worker that got another runner anyway fails at load, naming it and the fix."""
+    from types import SimpleNamespace
+
+    from inspect_tl_vllm.engine.worker import attach
+
+    class GPUModelRunner:  # what a V2 runner lacks: the V1 batch layout and _preprocess
+        pass
+
+    worker = SimpleNamespace(
+        vllm_config=SimpleNamespace(additional_config={"tlvllm": {}}), model_runner=GPUModelRunner()
+    )
+    with pytest.raises(RuntimeError, match=r"GPUModelRunner is not vLLM's V1 model runner.*VLLM_USE_V2_MODEL_RUNNER=0"):
+        attach(worker)
+    assert not hasattr(worker, "_tlvllm")

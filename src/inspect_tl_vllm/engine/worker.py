@@ -239,6 +239,11 @@ def attach(worker: Any) -> None:
     if settings is None:
         return
     runner = worker.model_runner
+    if not (hasattr(runner, "_preprocess") and hasattr(runner, "input_batch")):
+        raise RuntimeError(
+            f"tl-vllm: {type(runner).__module__}.{type(runner).__name__} is not vLLM's V1 model runner, "
+            "the one tl-vllm instruments (set VLLM_USE_V2_MODEL_RUNNER=0)"
+        )
     controller = Controller(runner, settings)
     worker._tlvllm = controller
     # vLLM sizes the KV cache as the memory budget minus the weights (measured while the
