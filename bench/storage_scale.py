@@ -193,6 +193,15 @@ def phase_read_one(args: argparse.Namespace) -> dict[str, Any]:
         found = time.perf_counter()
         tensors = read_sample(directory, entry, verify=True)
         out.update(index_entries=len(entries), index_parse_s=parsed - imported, index_find_s=found - parsed)
+    elif args.via == "log":  # activations.read: the sample's record in the .eval log, then its file
+        import inspect_ai.log  # noqa: F401  (Inspect's import is its own cost, timed apart)
+
+        from inspect_tl_vllm import activations
+
+        found = time.perf_counter()
+        out["inspect_import_s"] = found - imported
+        location, _ = folders(Path(args.dir))
+        tensors = activations.read(location, args.read_one, 1).activations
     else:
         from safetensors.torch import load
 
@@ -243,7 +252,21 @@ def eval_log(args: argparse.Namespace, location: str) -> Any:
     """An Inspect ``EvalLog`` of the N samples, each with one score, built without running an eval (as the
     tests build theirs: ``tests/conftest.py`` ``eval_spec``)."""
     from inspect_ai.log import EvalConfig, EvalDataset, EvalLog, EvalSample, EvalSpec
+    from inspect_ai.model import ModelOutput
     from inspect_ai.scorer import Score
+
+    from inspect_tl_vllm.store.layout import read_index
+
+    _, directory = folders(Path(args.dir))
+    stored = {entry["sample_id"]: entry for entry in read_index(directory)}
+
+    def output(index: int) -> ModelOutput:
+        """What the provider's output records of a stored sample, which ``activations.read`` follows."""
+        entry = stored[sample_id(index)]
+        record = {"hooks": entry["hooks"], "dir": directory.name, "file": entry["file"], "sha256": entry["sha256"]}
+        result = ModelOutput.from_content("tl-vllm/smollm2-shape", "a")
+        result.metadata = {"tlvllm": {"activations": record}}
+        return result
 
     spec = EvalSpec(
         created="2026-01-01T00:00:00+00:00",
@@ -262,6 +285,7 @@ def eval_log(args: argparse.Namespace, location: str) -> Any:
             target="a",
             uuid=sample_uuid(i),
             scores={"match": Score(value="C" if i % 2 else "I")},
+            output=output(i),
         )
         for i in range(1, args.samples + 1)
     ]
@@ -489,8 +513,9 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         from inspect_tl_vllm.store.layout import sample_file_name
 
         files = [directory / "index.jsonl", directory / sample_file_name(target, 1)]
+        files += [Path(location)] if args.eval_file else []  # read one via the log reads the .eval file
         result["read_one"] = {}
-        for via in ("index", "name"):
+        for via in ("index", "name", *(["log"] if args.eval_file else [])):
             for cache in ("cold", "warm"):
                 runs = []
                 for _ in range(args.repeats):
@@ -547,6 +572,7 @@ def table(result: dict[str, Any]) -> str:
     ]
     for key, got in one.items():
         inner = f"index parse {got['index_parse_s']:.2f} s, " if "index_parse_s" in got else ""
+        inner += f"Inspect's import {got['inspect_import_s']:.2f} s, " if "inspect_import_s" in got else ""
         rows.append(
             (
                 f"read one ({key}, median of {got['runs']})",
@@ -595,7 +621,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--phase", choices=sorted(PHASES), help=argparse.SUPPRESS)
     parser.add_argument("--read-one", default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--via", choices=["index", "name"], default="index", help=argparse.SUPPRESS)
+    parser.add_argument("--via", choices=["index", "name", "log"], default="index", help=argparse.SUPPRESS)
     parser.add_argument("--log-from", choices=["memory", "file"], default="memory", help=argparse.SUPPRESS)
     parser.add_argument("--reader", choices=["load", "iter_load"], default="load", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
