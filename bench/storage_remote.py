@@ -69,7 +69,7 @@ from typing import Any
 from urllib.parse import parse_qs
 
 # the local benchmark's synthetic samples, so that the two layouts store the same (bench/ is on sys.path)
-from storage_scale import POOLED_TOKENS, hooks, sample_id, sample_uuid
+from storage_scale import POOLED_TOKENS, hooks, sample_id, write_as_provider
 
 EVAL_ID = "bench-storage-remote"
 RETRY_EVAL_ID = "bench-storage-remote-retry"
@@ -270,8 +270,6 @@ def phase_write(store: Store, args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from safetensors.torch import save
 
-    from inspect_tl_vllm.store.layout import activations_dir_for, record_dir, write_sample
-
     _, client_start = store.open()
     names = hooks(args.hooks)
     generator = torch.Generator().manual_seed(args.seed)
@@ -287,21 +285,7 @@ def phase_write(store: Store, args: argparse.Namespace) -> dict[str, Any]:
         for index in range(1, args.samples + 1):
             tensors = {hook: torch.randn(1, args.width, generator=generator) for hook in names}
             begun = time.perf_counter()
-            directory = activations_dir_for(location, EVAL_ID, None)  # as the provider's _activations_dir
-            if directory not in writable:
-                directory.check_writable()
-                writable.add(directory)
-            entry = write_sample(
-                directory,
-                eval_id=EVAL_ID,
-                sample_id=sample_id(index),
-                epoch=1,
-                sample_uuid=sample_uuid(index),
-                activations=tensors,
-                tokens=tokens,
-                extra=extra,
-            )
-            record_dir(directory, location)
+            entry = write_as_provider(location, EVAL_ID, index, tensors, tokens, None, extra, writable)
             latencies.append(time.perf_counter() - begun)
             if index % tenth == 0:
                 say(

@@ -109,6 +109,40 @@ def folders(root: Path) -> tuple[str, Path]:
     return location, activations_dir_for(location, EVAL_ID, None).path
 
 
+def write_as_provider(
+    location: str,
+    eval_id: str,
+    index: int,
+    tensors: dict[str, Any],
+    tokens: dict[str, int],
+    positions: dict[str, list[int]] | None,
+    extra: dict[str, Any],
+    writable: set[Any],
+) -> dict[str, Any]:
+    """Store the ``index``-th sample with the calls the provider's ``_record`` makes for one sample
+    (``activations_dir_for``, ``Folder.check_writable`` once per folder, ``write_sample``,
+    ``record_dir``); returns its index entry."""
+    from inspect_tl_vllm.store.layout import activations_dir_for, record_dir, write_sample
+
+    directory = activations_dir_for(location, eval_id, None)
+    if directory not in writable:
+        directory.check_writable()
+        writable.add(directory)
+    entry = write_sample(
+        directory,
+        eval_id=eval_id,
+        sample_id=sample_id(index),
+        epoch=1,
+        sample_uuid=sample_uuid(index),
+        activations=tensors,
+        tokens=tokens,
+        positions=positions,
+        extra=extra,
+    )
+    record_dir(directory, location)
+    return entry
+
+
 # --------------------------------------------------------------------------- phases (each in its own process)
 
 
@@ -117,8 +151,6 @@ def phase_write(args: argparse.Namespace) -> dict[str, Any]:
     from array import array
 
     import torch
-
-    from inspect_tl_vllm.store.layout import activations_dir_for, record_dir, write_sample
 
     rss_after_imports = rss_bytes()
     location, _ = folders(Path(args.dir))
@@ -135,22 +167,7 @@ def phase_write(args: argparse.Namespace) -> dict[str, Any]:
     for index in range(1, args.samples + 1):
         tensors = {hook: torch.randn(args.rows, args.width, generator=generator).to(dtype) for hook in names}
         begun = time.perf_counter()
-        directory = activations_dir_for(location, EVAL_ID, None)  # as the provider's _activations_dir
-        if directory not in writable:
-            directory.check_writable()
-            writable.add(directory)
-        entry = write_sample(
-            directory,
-            eval_id=EVAL_ID,
-            sample_id=sample_id(index),
-            epoch=1,
-            sample_uuid=sample_uuid(index),
-            activations=tensors,
-            tokens=tokens,
-            positions=positions,
-            extra=extra,
-        )
-        record_dir(directory, location)
+        entry = write_as_provider(location, EVAL_ID, index, tensors, tokens, positions, extra, writable)
         latencies.append(time.perf_counter() - begun)
         if args.progress and index % max(1, args.samples // 10) == 0:
             print(f"  wrote {index}/{args.samples} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
