@@ -170,6 +170,103 @@ def test_activations_load_reads_a_log_in_the_bucket_joined_with_scores(s3, bucke
     assert "2 samples with activations, 0 skipped" in capsys.readouterr().out
 
 
+# -- shards in an object store: spooled here, uploaded whole ---------------------------------------------
+
+
+@pytest.fixture
+def spool(tmp_path, monkeypatch) -> Path:
+    """A spool folder of this test's own."""
+    from inspect_tl_vllm.store.shards import SPOOL_ENV
+
+    monkeypatch.setenv(SPOOL_ENV, str(tmp_path / "spool"))
+    return tmp_path / "spool"
+
+
+def write_sharded(writer, sample_id: str, seed: int) -> dict:
+    from inspect_tl_vllm.store.layout import write_sample
+
+    return write_sample(
+        writer.folder,
+        eval_id="E",
+        sample_id=sample_id,
+        epoch=1,
+        sample_uuid=f"u-{sample_id}",
+        activations=tensors(seed),
+        tokens={HOOK: 3},
+        shards=writer,
+    )
+
+
+def test_remote_shards_are_spooled_then_uploaded_whole_data_before_index(s3, bucket_dir, spool, monkeypatch):
+    """Nothing reaches the bucket sample by sample: a shard is uploaded when it is full (while
+    writing goes on) and at close, its ``.bin`` before its ``.jsonl``; then the spool is gone."""
+    from inspect_tl_vllm.store.folders import RemoteFolder, folder_at
+    from inspect_tl_vllm.store.layout import read_index, read_sample
+    from inspect_tl_vllm.store.shards import ShardWriter
+
+    uploads: list[str] = []
+    original = RemoteFolder.upload
+    monkeypatch.setattr(
+        RemoteFolder, "upload", lambda self, name, path: (uploads.append(name), original(self, name, path))
+    )
+    writer = ShardWriter(folder_at(bucket_dir), 1000)
+    for i in range(3):
+        write_sharded(writer, f"s{i}", i)
+    assert read_index(bucket_dir) == []  # the first shard is not full yet: all of it is in the spool
+    for i in range(3, 10):
+        write_sharded(writer, f"s{i}", i)
+    writer.close()
+    assert len(uploads) >= 4 and all(
+        a.endswith(".bin") and b == a.replace(".bin", ".jsonl")
+        for a, b in zip(uploads[::2], uploads[1::2], strict=True)
+    )
+    entries = {e["sample_id"]: e for e in read_index(bucket_dir)}
+    assert sorted(entries) == [f"s{i}" for i in range(10)]
+    assert all(torch.equal(read_sample(bucket_dir, e)[HOOK], tensors(int(i[1:]))[HOOK]) for i, e in entries.items())
+    assert not any(p.is_file() for p in spool.rglob("*"))
+
+
+def test_a_killed_writers_spool_is_uploaded_by_the_next_reader_and_a_live_ones_is_left(s3, bucket_dir, spool):
+    """A process killed before its upload leaves its shards in the spool on this machine; the next
+    ``activations.load`` (or eval-retry) there uploads them. A spool whose writer still runs is
+    locked and not touched."""
+    from inspect_tl_vllm.store.folders import folder_at
+    from inspect_tl_vllm.store.layout import read_index
+    from inspect_tl_vllm.store.shards import ShardWriter, upload_spooled
+
+    folder = folder_at(bucket_dir)
+    killed = ShardWriter(folder, 1 << 20)
+    write_sharded(killed, "a", 1)
+    live = ShardWriter(folder, 1 << 20)
+    write_sharded(live, "b", 2)
+    killed._spool.release(remove=False)  # what the kernel does to a killed process's lock
+    assert read_index(bucket_dir) == []
+    assert upload_spooled(folder) == 1
+    assert [e["sample_id"] for e in read_index(bucket_dir)] == ["a"]
+    live.close()
+    assert sorted(e["sample_id"] for e in read_index(bucket_dir)) == ["a", "b"]
+    assert upload_spooled(folder) == 0 and not any(p.is_file() for p in spool.rglob("*"))
+
+
+def test_a_remote_shard_cut_short_loses_only_its_samples_past_the_cut(s3, bucket_dir, spool):
+    from inspect_tl_vllm.store.folders import folder_at
+    from inspect_tl_vllm.store.layout import SampleReader, StoredFileError, read_index, read_sample
+    from inspect_tl_vllm.store.shards import ShardWriter
+
+    writer = ShardWriter(folder_at(bucket_dir), 1 << 20)
+    for i in range(3):
+        write_sharded(writer, f"s{i}", i)
+    writer.close()
+    entries = sorted(read_index(bucket_dir), key=lambda e: e["offset"])
+    shard = f"{bucket_dir.removeprefix('s3://')}/shards/{entries[0]['file']}"
+    s3.pipe_file(shard, s3.cat_file(shard)[: entries[2]["offset"] + 5])
+    for whole in (False, True):  # one ranged read, or the shard downloaded once
+        with SampleReader(bucket_dir, whole_shards=whole) as reader:
+            assert torch.equal(read_sample(bucket_dir, entries[1], reader=reader)[HOOK], tensors(1)[HOOK])
+            with pytest.raises(StoredFileError, match="sample 's2' epoch 1.*is cut short: it holds 5 of"):
+                read_sample(bucket_dir, entries[2], reader=reader)
+
+
 # -- the provider on the real CPU engine -------------------------------------------------------------
 
 QUESTIONS = ["Name a colour.", "Count to three.", "What is a river?"]
@@ -258,3 +355,99 @@ def test_eval_with_a_bucket_log_dir_stores_beside_the_log_and_eval_retry_carries
     assert carried["s0"]["eval_id"] == first.eval.eval_id and carried["s1"] is None and carried["s2"] is None
     metadata = by_id["s1"].output.metadata["tlvllm"]["activations"]
     assert metadata["dir"] == Path(root).name  # recorded beside the log: the two can move together
+
+
+KILLED_RUN = """
+import ast
+import os
+import sys
+
+from inspect_ai import Task, eval, task
+from inspect_ai.dataset import Sample
+from inspect_ai.model import GenerateConfig
+from inspect_ai.scorer import exact
+from inspect_ai.solver import generate, solver
+
+
+@solver
+def killed_at(victim: str, marker: str):
+    # the process dies as under kill -9 (no clean-up, no upload) when the victim sample first starts;
+    # eval-retry runs this solver again, in the test's own process, and must get past it
+    async def solve(state, generate):
+        if state.sample_id == victim and not os.path.exists(marker):
+            open(marker, "w").close()
+            os._exit(9)
+        return state
+
+    return solve
+
+
+@task
+def killed_task(marker: str):
+    samples = [Sample(id=f"s{i}", input=q, target="x") for i, q in enumerate(QUESTIONS)]
+    return Task(
+        dataset=samples,
+        solver=[killed_at("s2", marker), generate()],
+        scorer=exact(),
+        config=GenerateConfig(max_tokens=4, temperature=0.0),
+    )
+
+
+if __name__ == "__main__":  # vLLM's spawned processes import this file too
+    model, log_dir, args, marker = sys.argv[1], sys.argv[2], ast.literal_eval(sys.argv[3]), sys.argv[4]
+    task = killed_task(marker)
+    eval(task, model=model, model_args=args, log_dir=log_dir, max_samples=1, log_buffer=1, display="none")
+"""
+
+
+@pytest.mark.engine
+def test_a_killed_sharded_run_is_finished_by_eval_retry_with_nothing_lost_or_doubled(
+    s3, bucket_dir, spool, vllm_ready, tiny_llama_dir, tiny_engine, tmp_path
+):
+    """With shards in a bucket, a process killed at s2 (after s0 and s1 were logged) has uploaded
+    nothing: their activations wait in its spool. ``eval_retry`` of its log uploads that spool,
+    carries s0 and s1 over with a server-side copy of their shard, and runs s2: every sample reads
+    back once, joined with its score and equal to the engine's own capture."""
+    import subprocess
+    import sys
+
+    from inspect_ai.log import list_eval_logs, read_eval_log
+
+    from inspect_tl_vllm import activations
+    from inspect_tl_vllm.store.layout import read_index
+
+    log_dir = f"{bucket_dir}/logs"
+    with provider_model_args(capture=HOOK, capture_reduce="mean", activations_shard_mb=1) as args:
+        script = tmp_path / "killed_run.py"
+        script.write_text(f"QUESTIONS = {QUESTIONS!r}\n" + KILLED_RUN)
+        model = f"tl-vllm/{tiny_llama_dir}"
+        done = subprocess.run(
+            [sys.executable, str(script), model, log_dir, repr(args), str(tmp_path / "killed")],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 9, done.stderr[-3000:]
+        [info] = list_eval_logs(log_dir)
+        killed = read_eval_log(info.name)
+        assert killed.status == "started" and sorted(s.id for s in killed.samples) == ["s0", "s1"]
+        folder = killed.location.removesuffix(".eval") + ".activations"
+        assert read_index(folder) == []  # nothing uploaded: the spool holds s0 and s1
+        assert len(list(spool.rglob("*.jsonl"))) == 1
+        retried = eval_retry(killed.location, log_dir=log_dir, max_samples=1, display="none")[0]
+    assert retried.status == "success"
+    records = activations.load(retried.location)
+    assert sorted(r.sample_id for r in records) == ["s0", "s1", "s2"]
+    by_id = {s.id: s for s in retried.samples}
+    for record in records:
+        assert record.scores == {"exact": by_id[record.sample_id].scores["exact"].value}
+        chat = [{"role": "user", "content": QUESTIONS[int(record.sample_id[1])]}]
+        spec = {"capture": {"hooks": [HOOK], "reduce": "mean"}}
+        direct = tiny_engine.generate([chat], specs=[spec], max_tokens=4)[0]
+        assert torch.allclose(record.activations[HOOK], direct.activations[HOOK], rtol=1e-5, atol=1e-6)
+    entries = read_index(retried.location.removesuffix(".eval") + ".activations")
+    assert sorted(e["sample_id"] for e in entries) == ["s0", "s1", "s2"]
+    carried = {e["sample_id"]: e.get("carried_from", {}).get("eval_id") for e in entries}
+    assert carried == {"s0": killed.eval.eval_id, "s1": killed.eval.eval_id, "s2": None}
+    assert sorted(e["sample_id"] for e in read_index(folder)) == ["s0", "s1"]  # the spool, uploaded
+    assert not any(p.is_file() for p in spool.rglob("*"))

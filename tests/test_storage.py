@@ -202,3 +202,139 @@ def test_read_finds_one_sample_through_the_log_and_names_what_it_cannot_use(tmp_
     (directory / entries["a"]["file"]).write_bytes(b"changed")
     with pytest.raises(StoredFileError, match="sample 'a' epoch 1 output metadata.*checksum mismatch"):
         activations.read(location, "a")
+
+
+# -- shards: many samples per file, an index per shard ----------------------------------------------------
+
+
+def write_sharded(writer, sample_id, value, epoch=1, rows=2):
+    return write_sample(
+        writer.folder,
+        eval_id="E",
+        sample_id=sample_id,
+        epoch=epoch,
+        sample_uuid=f"u-{sample_id}",
+        activations={"blocks.0.hook_resid_post": torch.full((rows, 4), float(value))},
+        tokens={"blocks.0.hook_resid_post": rows},
+        shards=writer,
+    )
+
+
+def test_shards_pack_samples_roll_at_their_size_and_the_last_entry_wins(tmp_path):
+    """Samples go into shards of about the target size (each ``.bin`` with its ``.jsonl``), read back
+    by one ranged read each; a retried sample's later entry, in a later shard, wins."""
+    from inspect_tl_vllm.store.shards import ShardWriter
+
+    writer = ShardWriter(folder_at(tmp_path), 1000)
+    first = [write_sharded(writer, f"s{i}", i) for i in range(12)]
+    again = write_sharded(writer, "s3", 33.0)
+    writer.close()
+    shards = sorted(p.name for p in (tmp_path / "shards").iterdir())
+    assert len(shards) >= 4 and len(shards) % 2 == 0  # each shard: .bin and .jsonl
+    assert all((tmp_path / "shards" / p).stat().st_size <= 1000 for p in shards if p.endswith(".bin"))
+    assert not list(tmp_path.glob("*.safetensors")) and not (tmp_path / INDEX).exists()
+    assert again["file"] != first[3]["file"]  # the retry landed in a later shard
+    entries = {e["sample_id"]: e for e in read_index(tmp_path)}
+    assert sorted(entries) == sorted(f"s{i}" for i in range(12))
+    for sample_id, entry in entries.items():
+        value = 33.0 if sample_id == "s3" else float(sample_id[1:])
+        assert torch.equal(read_sample(tmp_path, entry)["blocks.0.hook_resid_post"], torch.full((2, 4), value))
+
+
+def test_shard_writer_serves_concurrent_threads(tmp_path):
+    from inspect_tl_vllm.store.shards import ShardWriter
+
+    writer = ShardWriter(folder_at(tmp_path), 4096)
+    threads = [
+        threading.Thread(target=lambda i=i: [write_sharded(writer, f"t{i}-{k}", i) for k in range(20)])
+        for i in range(4)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    writer.close()
+    entries = read_index(tmp_path)
+    assert len(entries) == 80
+    assert len({(e["file"], e["offset"]) for e in entries}) == 80
+    assert all(read_sample(tmp_path, e)["blocks.0.hook_resid_post"][0, 0] == int(e["sample_id"][1]) for e in entries)
+
+
+def sharded_log(tmp_path, ids, target=600):
+    from inspect_tl_vllm.store.shards import ShardWriter
+
+    samples = [EvalSample(id=i, epoch=1, input="q", target="a", uuid=f"u-{i}") for i in ids]
+    log = EvalLog(eval=eval_spec("E"), samples=samples, location=str(tmp_path / "x.eval"))
+    writer = ShardWriter(activations_dir_for(log.location, "E", None), target)
+    entries = [write_sharded(writer, i, n) for n, i in enumerate(ids)]
+    writer.close()
+    return log, entries
+
+
+def test_a_shard_cut_short_skips_its_lost_samples_with_a_warning_and_reads_the_rest(tmp_path):
+    """A crash (or a copy stopped half way) that cut a shard short loses only the samples past the
+    cut: ``load`` warns for each, by name, and returns the shard's complete samples and every
+    other shard's."""
+    ids = [f"s{i}" for i in range(8)]
+    log, entries = sharded_log(tmp_path, ids)
+    cut = entries[-1]["file"]
+    in_cut = [e for e in entries if e["file"] == cut]
+    assert len(in_cut) >= 2 and len({e["file"] for e in entries}) >= 2
+    path = tmp_path / "x.activations" / "shards" / cut
+    path.write_bytes(path.read_bytes()[: in_cut[1]["offset"] + 10])  # the shard's first sample survives
+    with pytest.warns(SkippedRecordWarning) as caught:
+        records = activations.load(log)
+    lost = [e["sample_id"] for e in in_cut[1:]]
+    assert [r.sample_id for r in records] == [i for i in ids if i not in lost]
+    messages = [str(w.message) for w in caught if w.category is SkippedRecordWarning]
+    assert len(messages) == len(lost)
+    assert all(re.search(rf"sample '{i}' epoch 1.*{cut} is cut short", m) for i, m in zip(lost, messages, strict=True))
+    with pytest.raises(StoredFileError, match="cut short"):
+        activations.load(log, strict=True)
+
+
+def test_a_shard_index_line_can_only_point_into_its_own_shard(tmp_path):
+    """An edited shard index cannot make a reader read another shard or a file outside the folder:
+    such lines are skipped with a warning, the others read."""
+    log, entries = sharded_log(tmp_path, ["a", "b"], target=1 << 20)
+    shards = tmp_path / "x.activations" / "shards"
+    index = shards / entries[0]["file"].replace(".bin", ".jsonl")
+    (tmp_path / "outside.bin").write_bytes((shards / entries[0]["file"]).read_bytes())
+    forged = [{**entries[0], "sample_id": "c", "file": name} for name in ("../../outside.bin", "other.bin")]
+    forged.append({**entries[0], "sample_id": "d", "offset": -1})
+    with open(index, "a") as handle:
+        handle.writelines(json.dumps(e) + "\n" for e in forged)
+    with pytest.warns(UserWarning, match="does not point into its own shard") as caught:
+        found = read_index(tmp_path / "x.activations")
+    assert len([w for w in caught if "does not point into its own shard" in str(w.message)]) == 3
+    assert sorted(e["sample_id"] for e in found) == ["a", "b"]
+    with pytest.warns(UserWarning, match="does not point into its own shard"):
+        assert [r.sample_id for r in activations.load(log)] == ["a", "b"]
+
+
+def test_carrying_over_a_shard_links_it_once_and_indexes_only_the_carried_samples(tmp_path):
+    """eval-retry's carry-over adds a shard whole to the later folder (a hard link, no bytes
+    copied) with an index of just the samples carried: a sample of that shard that failed and ran
+    again in the later eval is not seen twice."""
+    from inspect_tl_vllm.store.layout import link_shard
+
+    log, entries = sharded_log(tmp_path, ["a", "b", "c"], target=1 << 20)
+    source = tmp_path / "x.activations"
+    later = tmp_path / "y.activations"
+    carried = link_shard(later, eval_id="F", source=source, samples=[(e, None) for e in entries[:2]])
+    shard = later / "shards" / entries[0]["file"]
+    assert shard.stat().st_ino == (source / "shards" / entries[0]["file"]).stat().st_ino
+    found = read_index(later)
+    assert sorted(e["sample_id"] for e in found) == ["a", "b"]
+    assert all(e["eval_id"] == "F" and e["carried_from"]["eval_id"] == "E" for e in found + carried)
+    assert torch.equal(read_sample(later, found[1])["blocks.0.hook_resid_post"], torch.full((2, 4), 1.0))
+
+
+@pytest.mark.parametrize("value", [0, 4097, -1, "big", True, 1.5])
+def test_shard_size_is_checked(value):
+    from inspect_tl_vllm.provider.model_args import parse_model_args
+    from inspect_tl_vllm.specs import SpecError
+
+    with pytest.raises(SpecError, match=r"activations_shard_mb=.*within 1 and 4096"):
+        parse_model_args({"activations_shard_mb": value})
+    assert parse_model_args({"activations_shard_mb": "64"}).activations_shard_mb == 64

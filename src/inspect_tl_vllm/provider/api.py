@@ -384,9 +384,11 @@ class TLVLLMAPI(ModelAPI):
             }
             record["activations"] = {"hooks": summary}
             if active is not None:
-                from inspect_tl_vllm.store.layout import record_dir, write_sample
+                from inspect_tl_vllm.store.layout import STORED_KEYS, record_dir, write_sample
+                from inspect_tl_vllm.store.shards import writer_for
 
                 directory = self._activations_dir(active)
+                shard_mb = self.settings.activations_shard_mb
                 try:
                     entry = write_sample(
                         directory,
@@ -401,6 +403,7 @@ class TLVLLMAPI(ModelAPI):
                             "model": self.model_name,
                             "reduce": prepared.spec.capture.reduce if prepared.spec.capture else None,
                         },
+                        shards=writer_for(directory, shard_mb) if shard_mb else None,
                     )
                 except OSError as err:  # disk full, file size limit: fail this sample, name it
                     raise OSError(err.errno, f"{where}: {err.strerror or err}") from err
@@ -408,7 +411,7 @@ class TLVLLMAPI(ModelAPI):
                 # the entry's hook details too (dtype, token count, positions): with them the log alone
                 # finds and describes the file (activations.read), with no index to go through
                 hooks = {hook: {**entry["hooks"][hook], **summary[hook]} for hook in summary}
-                stored = {"dir": folder, "file": entry["file"], "sha256": entry["sha256"]}
+                stored = {"dir": folder, **{key: entry[key] for key in STORED_KEYS if key in entry}}
                 record["activations"] = {"hooks": hooks, **stored}
         return record
 

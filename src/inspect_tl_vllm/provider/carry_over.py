@@ -32,10 +32,12 @@ from inspect_tl_vllm.store.layout import (
     StoredFileError,
     activations_dir_for,
     link_sample,
+    link_shard,
     log_parent,
     read_index,
     recorded_dir,
 )
+from inspect_tl_vllm.store.shards import close_writer, is_shard_entry, upload_spooled
 
 logger = logging.getLogger(__name__)
 PROVIDER = "tl-vllm/"
@@ -47,7 +49,21 @@ PROVIDER = "tl-vllm/"
 )
 class CarryOverActivations(Hooks):
     async def on_task_end(self, data: TaskEnd) -> None:
-        carry_over(data.log)
+        # In the event loop's thread: a log in an object store loads its samples lazily, through
+        # Inspect's client of this loop.
+        finish(data.log)
+
+
+def finish(log: EvalLog) -> None:
+    """At the end of an eval: upload its spooled shards, then carry activations over."""
+    if not log.location or not log.eval.model.startswith(PROVIDER):
+        return
+    directory = activations_dir_for(log.location, log.eval.eval_id, log.eval.model_args.get("activations_dir"))
+    try:
+        close_writer(directory)
+    except OSError as err:
+        logger.warning(f"tl-vllm: {err}")
+    carry_over(log)
 
 
 def carry_over(log: EvalLog) -> int:
@@ -66,6 +82,7 @@ def carry_over(log: EvalLog) -> int:
     indexes: dict[Folder, dict[tuple[Any, Any], dict[str, Any]]] = {}
     refused: set[Folder] = set()
     missing: list[str] = []
+    sharded: dict[tuple[Folder, str], list[tuple[dict[str, Any], tuple[Any, int, str]]]] = {}
     linked = 0
     for sample in _samples(log):
         key = (repr(sample.id), int(sample.epoch))
@@ -76,14 +93,24 @@ def carry_over(log: EvalLog) -> int:
             missing += [f"sample {sample.id!r} epoch {sample.epoch}"] if _recorded_files(sample, log.location) else []
             continue
         source, entry = found
+        owner = (sample.id, sample.epoch, sample.uuid)
+        if is_shard_entry(entry):  # linked shard by shard, below
+            sharded.setdefault((source, entry["file"]), []).append((entry, owner))
+            own[key] = sample.uuid
+            continue
         try:
-            owner = (sample.id, sample.epoch, sample.uuid)
             link_sample(directory, eval_id=log.eval.eval_id, source=source, entry=entry, sample=owner)
         except (OSError, StoredFileError) as err:
             logger.warning(f"tl-vllm: sample {sample.id!r} epoch {sample.epoch}: {err}")
             continue
         own[key] = sample.uuid
         linked += 1
+    for (source, _), samples in sharded.items():
+        try:
+            linked += len(link_shard(directory, eval_id=log.eval.eval_id, source=source, samples=samples))
+        except (OSError, StoredFileError) as err:
+            first = samples[0][1]
+            logger.warning(f"tl-vllm: {len(samples)} samples from sample {first[0]!r} epoch {first[1]} on: {err}")
     if missing:
         logger.warning(
             f"tl-vllm: {len(missing)} samples answered from an earlier eval (eval-retry or the cache) name "
@@ -156,6 +183,7 @@ def _candidates(recorded: Iterable[Folder], directory: Folder) -> Iterator[Folde
     for folder in recorded:
         beside = [] if folder.name in ("", ".", "..") else [directory.sibling(folder.name)]
         for candidate in (folder, *beside):
+            upload_spooled(candidate)  # shards the run that wrote them (killed) left on this machine
             if candidate.exists() and candidate not in seen:  # exists first: a symlink loop is no folder
                 seen.add(candidate)
                 yield candidate

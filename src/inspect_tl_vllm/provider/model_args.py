@@ -38,6 +38,7 @@ PROVIDER_ARGS = (
     "capture_positions",
     "capture_dtype",
     "activations_dir",
+    "activations_shard_mb",
     "chat_template",
     "engine_args",
     "boot",
@@ -50,6 +51,7 @@ class ProviderSettings:
     instrument: InstrumentConfig = field(default_factory=InstrumentConfig)
     run_spec: RequestSpec = field(default_factory=RequestSpec)
     activations_dir: str | None = None
+    activations_shard_mb: int | None = None  # None: one file per sample; else shards of about this many MiB
     chat_template: str | None = None
     boot: str = "lazy"  # lazy: at the first request; eager: when the model is constructed
 
@@ -146,4 +148,31 @@ def parse_model_args(args: dict[str, Any]) -> ProviderSettings:
     boot = str(args.get("boot", "lazy"))
     if boot not in ("lazy", "eager"):
         raise SpecError(f"-M boot={boot!r}: use lazy (at the first request) or eager (before the eval starts)")
-    return ProviderSettings(engine, instrument, spec, args.get("activations_dir"), args.get("chat_template"), boot)
+    return ProviderSettings(
+        engine,
+        instrument,
+        spec,
+        args.get("activations_dir"),
+        _shard_mb(args.get("activations_shard_mb")),
+        args.get("chat_template"),
+        boot,
+    )
+
+
+def _shard_mb(value: Any) -> int | None:
+    """``-M activations_shard_mb``: a whole number of MiB in ``SHARD_MB_RANGE``, or absent."""
+    from inspect_tl_vllm.store.shards import SHARD_MB_RANGE
+
+    if value is None:
+        return None
+    low, high = SHARD_MB_RANGE
+    try:
+        mb = int(value) if not isinstance(value, bool | float) else None
+    except (TypeError, ValueError):
+        mb = None
+    if mb is None or not low <= mb <= high:
+        raise SpecError(
+            f"-M activations_shard_mb={value!r}: give a shard's target size as a whole number of MiB within "
+            f"{low} and {high} (256 suits most runs), or leave it out to store one file per sample"
+        )
+    return mb

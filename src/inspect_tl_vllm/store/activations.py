@@ -22,6 +22,8 @@ import torch
 
 from inspect_tl_vllm.extras import require
 from inspect_tl_vllm.store.layout import (
+    STORED_KEYS,
+    SampleReader,
     StoredFileError,
     activations_dir_for,
     read_index,
@@ -29,6 +31,7 @@ from inspect_tl_vllm.store.layout import (
     recorded_dir,
     unpack_positions,
 )
+from inspect_tl_vllm.store.shards import upload_spooled
 
 
 class SkippedRecordWarning(UserWarning):
@@ -72,27 +75,29 @@ def iter_load(
     of any size can be gone through in the memory of one sample."""
     eval_log = _eval_log(log)
     directory = activations_dir_for(eval_log.location, eval_log.eval.eval_id, activations_dir)
+    upload_spooled(directory)  # shards a killed run left on this machine
     entries = {(repr(e["sample_id"]), int(e["epoch"])): e for e in read_index(directory)}
-    for sample in eval_log.samples or []:
-        entry = entries.get((repr(sample.id), int(sample.epoch)))
-        if entry is None or entry.get("sample_uuid") not in (None, sample.uuid):
-            continue  # no file, or one left by an earlier attempt of this (sample, epoch) that failed
-        where = f"{directory.index_location}, sample {sample.id!r} epoch {sample.epoch}"
-        try:
-            tensors = read_sample(directory, entry, verify=verify, where=where)
-        except StoredFileError as err:
-            if strict:
-                raise
-            warnings.warn(f"skipping a record: {err}", SkippedRecordWarning, stacklevel=3)
-            continue
-        yield SampleActivations(
-            sample_id=sample.id,
-            epoch=sample.epoch,
-            sample_uuid=entry["sample_uuid"],
-            scores=_scores(sample),
-            activations=tensors,
-            index=entry,
-        )
+    with SampleReader(directory, whole_shards=True) as reader:
+        for sample in eval_log.samples or []:
+            entry = entries.get((repr(sample.id), int(sample.epoch)))
+            if entry is None or entry.get("sample_uuid") not in (None, sample.uuid):
+                continue  # no file, or one left by an earlier attempt of this (sample, epoch) that failed
+            where = f"{directory.index_location}, sample {sample.id!r} epoch {sample.epoch}"
+            try:
+                tensors = read_sample(directory, entry, verify=verify, where=where, reader=reader)
+            except StoredFileError as err:
+                if strict:
+                    raise
+                warnings.warn(f"skipping a record: {err}", SkippedRecordWarning, stacklevel=3)
+                continue
+            yield SampleActivations(
+                sample_id=sample.id,
+                epoch=sample.epoch,
+                sample_uuid=entry["sample_uuid"],
+                scores=_scores(sample),
+                activations=tensors,
+                index=entry,
+            )
 
 
 def read(log: str | Path, sample_id: Any, epoch: int = 1, *, verify: bool = True) -> SampleActivations:
@@ -117,8 +122,7 @@ def read(log: str | Path, sample_id: Any, epoch: int = 1, *, verify: bool = True
         "sample_id": sample.id,
         "epoch": sample.epoch,
         "sample_uuid": sample.uuid,
-        "file": stored["file"],
-        "sha256": stored["sha256"],
+        **{key: stored[key] for key in STORED_KEYS if key in stored},
         "hooks": stored.get("hooks") or {},
     }
     tensors = read_sample(recorded_dir(stored["dir"], str(log)), entry, verify=verify, where=f"{where} output metadata")

@@ -38,6 +38,8 @@ INDEX = "index.jsonl"
 """The local index: one JSON line per stored file."""
 REMOTE_INDEX = "index"
 """The remote index: a folder of one JSON object per stored file."""
+SHARDS = "shards"
+"""The folder of shards (``store/shards.py``) inside an activations folder."""
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -158,6 +160,23 @@ class Folder(ABC):
         """Store ``source``'s file ``name`` here as ``target``, without storing the bytes twice where
         the store allows."""
 
+    @abstractmethod
+    def sub(self, name: str) -> Folder:
+        """The folder ``name`` inside this one (``shards``)."""
+
+    @abstractmethod
+    def names(self, suffix: str) -> list[str]:
+        """The names of the files directly in this folder that end with ``suffix``, sorted."""
+
+    @abstractmethod
+    def read_range(self, name: str, start: int, length: int, where: str) -> bytes:
+        """``length`` bytes of ``name`` from ``start``; fewer when the file ends before (a shard cut short)."""
+
+    @abstractmethod
+    def read_many(self, names: list[str]) -> dict[str, bytes | Exception]:
+        """The bytes of each of ``names`` (an object store fetches them concurrently), or the error
+        reading it raised."""
+
     def write_error(self, name: str, err: OSError) -> OSError:
         """An OSError (same errno) that names the folder, the file and the cause."""
         cause = err.strerror or str(err)
@@ -246,20 +265,25 @@ class LocalFolder(Folder):
             raise StoredFileError(f"{where}: cannot read {path} ({err.strerror or err})") from err
 
     def add_entry(self, entry: dict[str, Any]) -> None:
-        """One ``write`` of one line (appends of concurrent writers never interleave). After a short
-        write (disk full, file size limit) the rest is written or, when that fails, the part already
-        written is cut off and the cause raised: the index never holds a partial line."""
-        line = (json.dumps(entry, sort_keys=True) + "\n").encode()
+        """One appended line (``append``): the index never holds a partial line."""
+        self.append(INDEX, (json.dumps(entry, sort_keys=True) + "\n").encode())
+
+    def append(self, name: str, blob: bytes) -> int:
+        """Append ``blob`` to ``name`` with one ``write`` (appends of concurrent writers never
+        interleave); returns the offset it starts at. After a short write (disk full, file size
+        limit) the rest is written or, when that fails, the part already written is cut off and the
+        cause raised: the file never ends in a partial blob."""
         try:
-            fd = os.open(self.path / INDEX, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self.path.mkdir(parents=True, exist_ok=True)
+            fd = os.open(self.path / name, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                written = os.write(fd, line)
-                start = os.lseek(fd, 0, os.SEEK_CUR) - written  # where this line began (O_APPEND)
+                written = os.write(fd, blob)
+                start = os.lseek(fd, 0, os.SEEK_CUR) - written  # where this blob began (O_APPEND)
                 try:
-                    while written < len(line):  # a short write: writing the rest fails with the cause
-                        more = os.write(fd, line[written:])
+                    while written < len(blob):  # a short write: writing the rest fails with the cause
+                        more = os.write(fd, blob[written:])
                         if more == 0:
-                            raise OSError(errno.EIO, "the index line could not be written")
+                            raise OSError(errno.EIO, f"{name} could not be appended to")
                         written += more
                 except OSError:
                     os.ftruncate(fd, start)
@@ -267,7 +291,8 @@ class LocalFolder(Folder):
             finally:
                 os.close(fd)
         except OSError as err:
-            raise self.write_error(INDEX, err) from err
+            raise self.write_error(name, err) from err
+        return start
 
     def entries(self) -> list[dict[str, Any]]:
         path = self.path / INDEX
@@ -277,7 +302,7 @@ class LocalFolder(Folder):
         for number, line in enumerate(path.read_bytes().splitlines(), start=1):
             if line.strip():
                 # A torn line (power loss mid-append) must not hide every other sample's entry.
-                entry = _parse_entry(line, f"{path}:{number}")
+                entry = parse_entry(line, f"{path}:{number}")
                 if entry is not None:
                     found.append(entry)
         return found
@@ -299,6 +324,32 @@ class LocalFolder(Folder):
         except OSError as err:
             tmp.unlink(missing_ok=True)
             raise self.write_error(target, err) from err
+
+    def sub(self, name: str) -> Folder:
+        return LocalFolder(self.path / name)
+
+    def names(self, suffix: str) -> list[str]:
+        if not self.path.is_dir():
+            return []
+        return sorted(p.name for p in self.path.iterdir() if p.name.endswith(suffix) and p.is_file())
+
+    def read_range(self, name: str, start: int, length: int, where: str) -> bytes:
+        path = self.file(name, where)
+        try:
+            with open(path, "rb") as handle:
+                handle.seek(start)
+                return handle.read(length)
+        except OSError as err:
+            raise StoredFileError(f"{where}: cannot read {path} ({err.strerror or err})") from err
+
+    def read_many(self, names: list[str]) -> dict[str, bytes | Exception]:
+        found: dict[str, bytes | Exception] = {}
+        for name in names:
+            try:
+                found[name] = self.read(name, self.location)
+            except StoredFileError as err:
+                found[name] = err
+        return found
 
 
 class RemoteFolder(Folder):
@@ -329,7 +380,7 @@ class RemoteFolder(Folder):
 
     def exists(self) -> bool:
         self.fs.invalidate_cache(self.root)
-        return bool(self.fs.exists(self._path(REMOTE_INDEX)))
+        return any(self.fs.exists(self._path(part)) for part in (REMOTE_INDEX, SHARDS))
 
     def sibling(self, name: str) -> Folder:
         return RemoteFolder(posixpath.join(posixpath.dirname(self.location), name))
@@ -389,7 +440,7 @@ class RemoteFolder(Folder):
             if not isinstance(blob, bytes):  # the error it raised, or nothing
                 warnings.warn(f"{path}: skipping an unreadable index entry ({blob})", stacklevel=3)
                 continue
-            entry = _parse_entry(blob, path)
+            entry = parse_entry(blob, path)
             if entry is not None:
                 found.append(entry)
         return found
@@ -409,8 +460,48 @@ class RemoteFolder(Folder):
                 raise self.write_error(target, _as_os_error(err)) from err
         self.write(target, source.read(name, where))
 
+    def sub(self, name: str) -> Folder:
+        return RemoteFolder(f"{self.location}/{name}")
 
-def _parse_entry(blob: bytes, where: str) -> dict[str, Any] | None:
+    def names(self, suffix: str) -> list[str]:
+        self.fs.invalidate_cache(self.root)
+        try:
+            found = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return []
+        return sorted(n for n in (posixpath.basename(p.rstrip("/")) for p in found) if n.endswith(suffix))
+
+    def read_range(self, name: str, start: int, length: int, where: str) -> bytes:
+        location = self.file(name, where)
+        try:
+            return self.fs.cat_file(self._path(name), start=start, end=start + length)
+        except Exception as err:  # noqa: BLE001
+            raise StoredFileError(f"{where}: cannot read {location} ({type(err).__name__}: {err})") from err
+
+    def read_many(self, names: list[str]) -> dict[str, bytes | Exception]:
+        if not names:
+            return {}
+        paths = {self._path(name): name for name in names}
+        blobs = self.fs.cat(list(paths), on_error="return")  # a list: one dict, fetched concurrently
+        return {name: blobs.get(path, FileNotFoundError(path)) for path, name in paths.items()}
+
+    def download(self, name: str, path: Path, where: str) -> None:
+        """Copy ``name`` to the local file ``path`` (streamed, not held in memory)."""
+        location = self.file(name, where)
+        try:
+            self.fs.get_file(self._path(name), str(path))
+        except Exception as err:  # noqa: BLE001
+            raise StoredFileError(f"{where}: cannot read {location} ({type(err).__name__}: {err})") from err
+
+    def upload(self, name: str, path: Path) -> None:
+        """Store the local file ``path`` as ``name`` (streamed; a multipart upload where the store has it)."""
+        try:
+            self.fs.put_file(str(path), self._path(name))
+        except Exception as err:  # noqa: BLE001
+            raise self.write_error(name, _as_os_error(err)) from err
+
+
+def parse_entry(blob: bytes, where: str) -> dict[str, Any] | None:
     try:
         entry = json.loads(blob)
         repr(entry["sample_id"]), int(entry["epoch"])

@@ -1,6 +1,8 @@
 """What an eval's activations folder holds, wherever it lies (``store/folders.py``: local disk or
 any fsspec store): one safetensors file per sample and epoch, plus an index whose entries join them
-to eval id, sample id, epoch and sample uuid.
+to eval id, sample id, epoch and sample uuid; or, with ``-M activations_shard_mb``, the same
+safetensors blobs packed many to a shard with an index per shard (``store/shards.py``). Readers
+take both, in one folder too.
 
 - Default place: ``<log file without extension>.activations`` beside the log, local or remote
   (``-M activations_dir=DIR`` overrides; then ``DIR/<eval id>/``, DIR a path or a URL).
@@ -22,7 +24,11 @@ to eval id, sample id, epoch and sample uuid.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import posixpath
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +37,28 @@ import torch
 from inspect_tl_vllm.specs import SpecError
 from inspect_tl_vllm.store.folders import (
     INDEX,
+    SHARDS,
     Folder,
+    RemoteFolder,
     StoredFileError,
     UnsafePathError,
     folder_at,
     is_url,
     local_path,
 )
+from inspect_tl_vllm.store.shards import (
+    ShardWriter,
+    check_complete,
+    is_shard_entry,
+    shard_entries,
+    shard_index_name,
+    shard_span,
+)
 
 __all__ = ["INDEX", "StoredFileError", "UnsafePathError"]  # what readers of a folder expect to find here
+
+STORED_KEYS = ("file", "sha256", "offset", "length")
+"""What a log's output records of an entry (beside the folder) to find and check its blob."""
 
 
 def activations_dir_for(log_location: str, eval_id: str, override: str | None) -> Folder:
@@ -101,24 +120,23 @@ def write_sample(
     tokens: dict[str, int],
     positions: dict[str, list[int]] | None = None,
     extra: dict[str, Any] | None = None,
+    shards: ShardWriter | None = None,
 ) -> dict[str, Any]:
     """Store one sample's activations, whole or not at all, then its index entry; returns the entry.
 
     ``tokens`` is how many token rows each hook point's tensor stands for (before any reduction);
     ``positions`` gives, for per-token captures, the sequence position of each stored row.
+    ``shards`` (the folder's ``ShardWriter``) packs the sample into a shard instead of a file of its own.
     """
     from safetensors.torch import save
 
     folder = as_folder(directory)
-    name = sample_file_name(sample_id, epoch)
     blob = save({hook: tensor.contiguous() for hook, tensor in activations.items()})
-    folder.write(name, blob)
     entry = {
         "eval_id": eval_id,
         "sample_id": sample_id,
         "epoch": epoch,
         "sample_uuid": sample_uuid,
-        "file": name,
         "sha256": hashlib.sha256(blob).hexdigest(),
         "hooks": {
             hook: {
@@ -131,6 +149,10 @@ def write_sample(
         },
         **(extra or {}),
     }
+    if shards is not None:
+        return shards.add(entry, blob)
+    entry["file"] = sample_file_name(sample_id, epoch)
+    folder.write(entry["file"], blob)
     folder.add_entry(entry)
     return entry
 
@@ -166,51 +188,156 @@ def link_sample(
     where the file came from. ``sample`` (id, epoch, uuid) files it under the sample that reused it,
     when that is not the one that produced it (a cache hit). ``entry`` comes from ``source``'s
     index, so its file name must stay inside both folders (``UnsafePathError`` otherwise, before
-    anything is written).
+    anything is written). Samples stored in shards go through ``link_shard``.
     """
     folder, origin = as_folder(directory), as_folder(source)
     where = f"{origin.index_location}, sample {entry.get('sample_id')!r} epoch {entry.get('epoch')}"
     origin.file(entry.get("file"), where)
-    owner: dict[str, Any] = {}
+    carried = _carried(entry, eval_id, origin, sample)
     if sample is not None:
-        sample_id, epoch, sample_uuid = sample
-        owner = {"sample_id": sample_id, "epoch": epoch, "sample_uuid": sample_uuid}
-        owner["file"] = sample_file_name(sample_id, epoch)
-    target = owner.get("file", entry["file"])
-    folder.add_copy(origin, entry["file"], target, where)
-    carried_from = {"eval_id": entry.get("eval_id"), "dir": origin.location, "file": entry["file"]}
-    carried = {**entry, **owner, "eval_id": eval_id, "carried_from": carried_from}
+        carried["file"] = sample_file_name(sample[0], sample[1])
+    folder.add_copy(origin, entry["file"], carried["file"], where)
     folder.add_entry(carried)
     return carried
 
 
+def link_shard(
+    directory: Folder | Path | str,
+    *,
+    eval_id: str,
+    source: Folder | Path | str,
+    samples: list[tuple[dict[str, Any], tuple[Any, int, str] | None]],
+) -> list[dict[str, Any]]:
+    """``link_sample`` for samples that one shard of ``source`` holds: the shard is added whole
+    (hard link, server-side copy), with an index of its own listing just ``samples`` (entry from
+    ``source``'s shard index, and the sample that reused it, as for ``link_sample``). Blobs of the
+    shard that no carried sample names stay in it, unseen."""
+    folder, origin = as_folder(directory).sub(SHARDS), as_folder(source).sub(SHARDS)
+    name = samples[0][0].get("file")
+    where = f"{origin.location}, sample {samples[0][0].get('sample_id')!r} epoch {samples[0][0].get('epoch')}"
+    origin.file(name, where)
+    if any(entry.get("file") != name for entry, _ in samples):
+        raise ValueError("link_shard: every sample must come from the same shard")
+    carried = [_carried(entry, eval_id, as_folder(source), sample) for entry, sample in samples]
+    folder.add_copy(origin, name, name, where)
+    lines = "".join(json.dumps(entry, sort_keys=True) + "\n" for entry in carried)
+    folder.write(shard_index_name(name), lines.encode())
+    return carried
+
+
+def _carried(
+    entry: dict[str, Any], eval_id: str, origin: Folder, sample: tuple[Any, int, str] | None
+) -> dict[str, Any]:
+    """``entry`` as the later eval records it: its eval id, where it came from, its own sample."""
+    owner = {"sample_id": sample[0], "epoch": sample[1], "sample_uuid": sample[2]} if sample is not None else {}
+    carried_from = {"eval_id": entry.get("eval_id"), "dir": origin.location, "file": entry["file"]}
+    return {**entry, **owner, "eval_id": eval_id, "carried_from": carried_from}
+
+
 def read_index(directory: Folder | Path | str) -> list[dict[str, Any]]:
-    """Index entries, the last one per (sample id, epoch) winning (retries)."""
-    latest = {(repr(entry["sample_id"]), int(entry["epoch"])): entry for entry in as_folder(directory).entries()}
+    """Index entries, per-sample files' then shards', the last one per (sample id, epoch) winning (retries)."""
+    folder = as_folder(directory)
+    entries = folder.entries() + shard_entries(folder)
+    latest = {(repr(entry["sample_id"]), int(entry["epoch"])): entry for entry in entries}
     return list(latest.values())
 
 
 def read_sample(
-    directory: Folder | Path | str, entry: dict[str, Any], verify: bool = True, where: str | None = None
+    directory: Folder | Path | str,
+    entry: dict[str, Any],
+    verify: bool = True,
+    where: str | None = None,
+    reader: SampleReader | None = None,
 ) -> dict[str, torch.Tensor]:
-    """The tensors of the file ``entry`` (an index line, or a log's record of one) names in ``directory``.
+    """The tensors of the file or shard blob ``entry`` (an index line, or a log's record of one) names
+    in ``directory``; pass ``reader`` (a ``SampleReader`` of that folder) when reading many.
 
     Raises ``StoredFileError`` naming the file and ``where`` (which index line or sample, default the
-    folder's index) when the name leads outside the folder, or the file is missing, changed or unreadable.
+    folder's index) when the name leads outside the folder, or the file is missing, changed, cut
+    short or unreadable.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load
 
-    folder = as_folder(directory)
-    where = where or f"{folder.index_location}, sample {entry.get('sample_id')!r} epoch {entry.get('epoch')}"
-    path = folder.file(entry.get("file"), where)
-    blob = folder.read(entry["file"], where)
+    if reader is None:
+        with SampleReader(directory) as own:
+            return read_sample(directory, entry, verify, where, own)
+    where = where or reader.where(entry)
+    blob, location = reader.blob(entry, where)
     if verify and hashlib.sha256(blob).hexdigest() != entry.get("sha256"):
-        raise StoredFileError(f"{where}: {path}: checksum mismatch (file changed or corrupt)")
+        raise StoredFileError(f"{where}: {location}: checksum mismatch (file changed or corrupt)")
     try:
         tensors = load(blob)
     except SafetensorError as err:
-        raise StoredFileError(f"{where}: {path} is not a readable safetensors file ({err})") from err
+        raise StoredFileError(f"{where}: {location} is not a readable safetensors file ({err})") from err
     # safetensors returns the tensors in no fixed order: give them in the index's (capture) order
     recorded = [hook for hook in entry.get("hooks") or {} if hook in tensors]
     return {hook: tensors[hook] for hook in recorded + sorted(set(tensors) - set(recorded))}
+
+
+class SampleReader:
+    """Reads the blobs of one folder's samples. A shard's name is checked (``Folder.file``) and the
+    shard opened once, then each sample is one ``pread``. A remote shard is fetched with one ranged
+    request per sample or, with ``whole_shards`` (reading many samples), downloaded once to a
+    temporary folder that ``close`` removes."""
+
+    def __init__(self, directory: Folder | Path | str, whole_shards: bool = False) -> None:
+        self.folder = as_folder(directory)
+        self.shards = self.folder.sub(SHARDS)
+        self._whole = whole_shards and isinstance(self.shards, RemoteFolder)
+        self._copies: Path | None = None
+        self._open: dict[str, int] = {}  # shard name -> file descriptor (local shards, downloaded copies)
+
+    def where(self, entry: dict[str, Any]) -> str:
+        """Which index line an entry is, for messages."""
+        index = (
+            f"{self.shards.location}/{shard_index_name(entry.get('file'))}"
+            if is_shard_entry(entry)
+            else self.folder.index_location
+        )
+        return f"{index}, sample {entry.get('sample_id')!r} epoch {entry.get('epoch')}"
+
+    def blob(self, entry: dict[str, Any], where: str) -> tuple[bytes, str]:
+        """The entry's bytes, and where they were read (for messages)."""
+        name = entry.get("file")
+        if not is_shard_entry(entry):
+            return self.folder.read(name, where), self.folder.file(name, where)
+        offset, length = shard_span(entry, where)
+        location = self.shards.file(name, where) if name not in self._open else f"{self.shards.location}/{name}"
+        if isinstance(self.shards, RemoteFolder) and not self._whole:
+            return check_complete(self.shards.read_range(name, offset, length, where), entry, where, location), location
+        descriptor = self._open.get(name)
+        if descriptor is None:
+            descriptor = self._open[name] = self._opened(name, location, where)
+        try:
+            blob = os.pread(descriptor, length, offset)
+        except OSError as err:
+            raise StoredFileError(f"{where}: cannot read {location} ({err.strerror or err})") from err
+        return check_complete(blob, entry, where, location), location
+
+    def _opened(self, name: str, location: str, where: str) -> int:
+        path = Path(location)
+        if self._whole:
+            assert isinstance(self.shards, RemoteFolder)
+            if self._copies is None:
+                self._copies = Path(tempfile.mkdtemp(prefix="tlvllm-shards-"))
+            path = self._copies / name
+            self.shards.download(name, path, where)
+        try:
+            return os.open(path, os.O_RDONLY)
+        except OSError as err:
+            raise StoredFileError(f"{where}: cannot read {location} ({err.strerror or err})") from err
+
+    def close(self) -> None:
+        for descriptor in self._open.values():
+            os.close(descriptor)
+        self._open.clear()
+        if self._copies is not None:
+            shutil.rmtree(self._copies, ignore_errors=True)
+            self._copies = None
+
+    def __enter__(self) -> SampleReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
