@@ -25,6 +25,9 @@
 #   bash bench/gpu_run.sh peers-1b OUTDIR # the five and hotwire, Llama-3.2-1B shape, three engines at 0.3 of
 #                                          # the GPU's memory each (~4 min)
 #   bash bench/gpu_run.sh peers-8b OUTDIR # the same, Llama-3-8B shape (~6 min: hotwire compiles cold)
+#   bash bench/gpu_run.sh 8b-store OUTDIR # capture_all, then stored as the provider stores it, in shards on the
+#                                          # local disk and in a moto S3 server on localhost (bundle moto[server]
+#                                          # and s3fs), 3 rounds (~5 min)
 # The peers steps install hotwire from bench/peers/ into /tmp/tlvllm-hotwire, a folder on no
 # path but that of the hotwire engine's process (throughput.py --hotwire-dir).
 #
@@ -43,7 +46,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh install|check|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|1b-long|2b|peers-1b|peers-8b OUTDIR}
+step=${1:?usage: gpu_run.sh install|check|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|1b-long|2b|peers-1b|peers-8b|8b-store OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -130,6 +133,11 @@ case "$step" in
   1b-long)
     timeout 570 python3 bench/throughput.py --model llama1b-shape --prompts 256 --new-tokens 256 --runs 10 \
       --weights scaled --out "$out/throughput_1b_scaled_long.json" >"$log" 2>&1
+    ;;
+  8b-store)
+    timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 3 \
+      --weights scaled --variants vanilla,capture_all,capture_all_disk,capture_all_s3 \
+      --out "$out/throughput_8b_store.json" >"$log" 2>&1
     ;;
   peers-1b | peers-8b)
     size=${step#peers-}

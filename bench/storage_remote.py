@@ -1,10 +1,14 @@
-"""Today's activation layout in an object store (S3 protocol, moto on localhost) beside local disk (CPU).
+"""The activation layouts in an object store (S3 protocol, moto on localhost) beside local disk (CPU).
 
     python bench/storage_remote.py [--samples 2000] [--hooks 2] [--width 576] [--repeats 3] [--carry 100]
-                                   [--out F] [--quiet]
+                                   [--shard-mb N] [--out F] [--quiet]
 
-A baseline for the planned sharded layout: what ``store/folders.py``'s ``RemoteFolder`` costs, in
-time and above all in HTTP requests, when an eval stores N samples in a bucket. Remotely a sample
+What ``store/folders.py``'s ``RemoteFolder`` costs, in time and above all in HTTP requests, when an
+eval stores N samples in a bucket, one file per sample (the default) or in shards of about N MiB
+(``--shard-mb N``: written through the spool, uploaded at their size and at the end, read through
+a ``SampleReader`` that downloads each shard once, carried over a shard at a time with
+``link_shard``; the read-one-by-name variant is skipped, since a shard's name does not derive from
+the sample id). Remotely a sample
 is two objects (its safetensors file, then its index entry ``index/<file>.json``), so every phase
 below has a request count that grows with N; those counts are what a real store bills and what
 its latency multiplies, and they are the numbers a sharded layout has to beat. The same phases run
@@ -285,12 +289,16 @@ def phase_write(store: Store, args: argparse.Namespace) -> dict[str, Any]:
         for index in range(1, args.samples + 1):
             tensors = {hook: torch.randn(1, args.width, generator=generator) for hook in names}
             begun = time.perf_counter()
-            entry = write_as_provider(location, EVAL_ID, index, tensors, tokens, None, extra, writable)
+            entry = write_as_provider(location, EVAL_ID, index, tensors, tokens, None, extra, writable, args.shard_mb)
             latencies.append(time.perf_counter() - begun)
             if index % tenth == 0:
                 say(
                     args.quiet, f"  [{store.name}] wrote {index}/{args.samples} ({time.perf_counter() - started:.1f} s)"
                 )
+        if args.shard_mb:  # as the provider's task-end hook: upload the last shard
+            from inspect_tl_vllm.store.shards import close_writer
+
+            close_writer(store.open()[0])
     out["rate_per_s"] = args.samples / out["wall_s"]
     out["latency_ms"] = percentiles(latencies)
     tenths = [latencies[i : i + tenth] for i in range(0, len(latencies), tenth)]
@@ -366,18 +374,19 @@ def phase_read_all(store: Store, args: argparse.Namespace) -> tuple[dict[str, An
     """Every sample through the storage reader, verified, one after another; also returns the index."""
     import torch
 
-    from inspect_tl_vllm.store.layout import read_index, read_sample
+    from inspect_tl_vllm.store.layout import SampleReader, read_index, read_sample
 
     folder, client_start = store.open()
     out: dict[str, Any] = {"client_start_s": client_start}
     total = 0.0
-    with store.measured(out):
+    with store.measured(out), SampleReader(folder, whole_shards=True) as reader:  # as activations.iter_load
         started = time.perf_counter()
         entries = read_index(folder)
         out["index_s"] = time.perf_counter() - started
         tenth = max(1, len(entries) // 10)
         for number, entry in enumerate(entries, start=1):
-            total += float(sum(torch.linalg.vector_norm(t) for t in read_sample(folder, entry).values()))
+            tensors = read_sample(folder, entry, reader=reader)
+            total += float(sum(torch.linalg.vector_norm(t) for t in tensors.values()))
             if number % tenth == 0:
                 say(
                     args.quiet, f"  [{store.name}] read {number}/{len(entries)} ({time.perf_counter() - started:.1f} s)"
@@ -387,8 +396,9 @@ def phase_read_all(store: Store, args: argparse.Namespace) -> tuple[dict[str, An
 
 
 def phase_carry(store: Store, args: argparse.Namespace, entries: list[dict[str, Any]]) -> dict[str, Any]:
-    """``link_sample`` of the first ``--carry`` samples into a later eval's folder (``eval-retry``)."""
-    from inspect_tl_vllm.store.layout import link_sample, read_index
+    """``link_sample`` of the first ``--carry`` samples into a later eval's folder (``eval-retry``);
+    with shards, ``link_shard`` once per shard holding them, as ``carry_over`` does."""
+    from inspect_tl_vllm.store.layout import link_sample, link_shard, read_index
 
     source, _ = store.open()
     target, client_start = store.open(RETRY_LOG_NAME, RETRY_EVAL_ID)
@@ -396,7 +406,16 @@ def phase_carry(store: Store, args: argparse.Namespace, entries: list[dict[str, 
     latencies: list[float] = []
     out: dict[str, Any] = {"samples": len(chosen), "client_start_s": client_start}
     with store.measured(out):
-        for number, entry in enumerate(chosen, start=1):
+        if args.shard_mb:
+            by_shard: dict[str, list[tuple[dict[str, Any], None]]] = {}
+            for entry in chosen:
+                by_shard.setdefault(entry["file"], []).append((entry, None))
+            for samples in by_shard.values():
+                begun = time.perf_counter()
+                link_shard(target, eval_id=RETRY_EVAL_ID, source=source, samples=samples)
+                latencies.append(time.perf_counter() - begun)
+            out["shards"] = len(by_shard)
+        for number, entry in enumerate([] if args.shard_mb else chosen, start=1):
             begun = time.perf_counter()
             link_sample(target, eval_id=RETRY_EVAL_ID, source=source, entry=entry)
             latencies.append(time.perf_counter() - begun)
@@ -412,7 +431,7 @@ def footprint(store: Store) -> dict[str, Any]:
     """Objects (files) and bytes the first eval's folder holds (counted after the phases)."""
     folder, _ = store.open()
     if store.server is None:
-        sizes = [entry.stat().st_size for entry in os.scandir(folder.path) if entry.is_file()]
+        sizes = [path.stat().st_size for path in folder.path.rglob("*") if path.is_file()]
     else:
         sizes = [info["size"] for info in folder.fs.find(folder.root, detail=True).values()]
     return {"objects": len(sizes), "bytes": sum(sizes)}
@@ -425,7 +444,7 @@ def run_store(store: Store, args: argparse.Namespace) -> dict[str, Any]:
     say(args.quiet, f"[{store.name}] reading the index")
     result["read_index"] = phase_read_index(store, args)
     target = sample_id((args.samples + 1) // 2)
-    for via in ("index", "name"):
+    for via in ("index",) if args.shard_mb else ("index", "name"):  # a shard's name is not the id's
         say(args.quiet, f"[{store.name}] reading {target} via {via} ({args.repeats} times)")
         result[f"read_one_{via}"] = phase_read_one(store, args, target, via)
     say(args.quiet, f"[{store.name}] reading all samples")
@@ -583,6 +602,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=3, help="runs per read-one variant (median)")
     parser.add_argument("--carry", type=int, default=100, help="samples carried over with link_sample")
+    parser.add_argument("--shard-mb", type=int, default=None, help="store in shards of about this many MiB")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")
     parser.add_argument("--out", default=None, help="write the JSON here")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)

@@ -1,10 +1,10 @@
-"""Today's on-disk activation layout at scale: write, read one, read all (CPU).
+"""The local activation layouts at scale: write, read one, read all (CPU).
 
     python bench/storage_scale.py [--samples 100000] [--hooks 2] [--width 576] [--rows 1] [--dtype float32]
-                                  [--dir DIR] [--keep] [--eval-file] [--no-evict] [--out F]
+                                  [--shard-mb N] [--dir DIR] [--keep] [--eval-file] [--no-evict] [--out F]
 
-A baseline for the planned storage redesign (sharded files, remote object stores): what one
-safetensors file per sample and epoch plus one ``index.jsonl`` costs when an eval has 10^4 to 10^5
+What one safetensors file per sample and epoch plus one ``index.jsonl`` (the default), or shards of
+about N MiB with an index per shard (``--shard-mb N``), cost when an eval has 10^4 to 10^5
 samples. It writes N synthetic samples (ids ``s000001``..., epoch 1; by default a pooled capture of
 two hook points at SmolLM2's width) through exactly the calls the provider makes for a sample
 (``activations_dir_for``, ``Folder.check_writable`` once, ``write_sample``, ``record_dir``; see
@@ -118,11 +118,14 @@ def write_as_provider(
     positions: dict[str, list[int]] | None,
     extra: dict[str, Any],
     writable: set[Any],
+    shard_mb: int | None = None,
 ) -> dict[str, Any]:
     """Store the ``index``-th sample with the calls the provider's ``_record`` makes for one sample
-    (``activations_dir_for``, ``Folder.check_writable`` once per folder, ``write_sample``,
-    ``record_dir``); returns its index entry."""
+    (``activations_dir_for``, ``Folder.check_writable`` once per folder, ``write_sample`` into a
+    shard when ``shard_mb`` is set, ``record_dir``); returns its index entry. With shards, the
+    caller finishes them with ``close_writer`` as the provider's task-end hook does."""
     from inspect_tl_vllm.store.layout import activations_dir_for, record_dir, write_sample
+    from inspect_tl_vllm.store.shards import writer_for
 
     directory = activations_dir_for(location, eval_id, None)
     if directory not in writable:
@@ -138,6 +141,7 @@ def write_as_provider(
         tokens=tokens,
         positions=positions,
         extra=extra,
+        shards=writer_for(directory, shard_mb) if shard_mb else None,
     )
     record_dir(directory, location)
     return entry
@@ -167,10 +171,15 @@ def phase_write(args: argparse.Namespace) -> dict[str, Any]:
     for index in range(1, args.samples + 1):
         tensors = {hook: torch.randn(args.rows, args.width, generator=generator).to(dtype) for hook in names}
         begun = time.perf_counter()
-        entry = write_as_provider(location, EVAL_ID, index, tensors, tokens, positions, extra, writable)
+        entry = write_as_provider(location, EVAL_ID, index, tensors, tokens, positions, extra, writable, args.shard_mb)
         latencies.append(time.perf_counter() - begun)
         if args.progress and index % max(1, args.samples // 10) == 0:
             print(f"  wrote {index}/{args.samples} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
+    if args.shard_mb:
+        from inspect_tl_vllm.store.layout import activations_dir_for
+        from inspect_tl_vllm.store.shards import close_writer
+
+        close_writer(activations_dir_for(location, EVAL_ID, None))
     wall = time.perf_counter() - started
     ordered = sorted(latencies)
     tenth = max(1, len(latencies) // 10)
@@ -239,7 +248,7 @@ def phase_read_all(args: argparse.Namespace) -> dict[str, Any]:
     """Every tensor through the storage layer's reader, streaming: only one sample's tensors live at a time."""
     import torch
 
-    from inspect_tl_vllm.store.layout import read_index, read_sample
+    from inspect_tl_vllm.store.layout import SampleReader, read_index, read_sample
 
     rss_after_imports = rss_bytes()
     _, directory = folders(Path(args.dir))
@@ -247,10 +256,11 @@ def phase_read_all(args: argparse.Namespace) -> dict[str, Any]:
     entries = read_index(directory)
     parsed = time.perf_counter()
     total, count = 0.0, 0
-    for entry in entries:
-        for tensor in read_sample(directory, entry, verify=True).values():
-            total += float(torch.linalg.vector_norm(tensor.float()))
-            count += 1
+    with SampleReader(directory) as reader:  # as activations.iter_load reads
+        for entry in entries:
+            for tensor in read_sample(directory, entry, verify=True, reader=reader).values():
+                total += float(torch.linalg.vector_norm(tensor.float()))
+                count += 1
     done = time.perf_counter()
     return {
         "samples": len(entries),
@@ -272,7 +282,7 @@ def eval_log(args: argparse.Namespace, location: str) -> Any:
     from inspect_ai.model import ModelOutput
     from inspect_ai.scorer import Score
 
-    from inspect_tl_vllm.store.layout import read_index
+    from inspect_tl_vllm.store.layout import STORED_KEYS, read_index
 
     _, directory = folders(Path(args.dir))
     stored = {entry["sample_id"]: entry for entry in read_index(directory)}
@@ -280,7 +290,8 @@ def eval_log(args: argparse.Namespace, location: str) -> Any:
     def output(index: int) -> ModelOutput:
         """What the provider's output records of a stored sample, which ``activations.read`` follows."""
         entry = stored[sample_id(index)]
-        record = {"hooks": entry["hooks"], "dir": directory.name, "file": entry["file"], "sha256": entry["sha256"]}
+        found = {key: entry[key] for key in STORED_KEYS if key in entry}
+        record = {"hooks": entry["hooks"], "dir": directory.name, **found}
         result = ModelOutput.from_content("tl-vllm/smollm2-shape", "a")
         result.metadata = {"tlvllm": {"activations": record}}
         return result
@@ -395,6 +406,7 @@ def phase_flags(args: argparse.Namespace) -> list[str]:
     """The workload flags a phase needs to rebuild the same samples and log."""
     flags = ["--samples", str(args.samples), "--hooks", str(args.hooks), "--width", str(args.width)]
     flags += ["--rows", str(args.rows), "--dtype", args.dtype, "--seed", str(args.seed)]
+    flags += ["--shard-mb", str(args.shard_mb)] if args.shard_mb else []
     return flags + (["--eval-file"] if args.eval_file else []) + (["--progress"] if args.progress else [])
 
 
@@ -426,26 +438,33 @@ def evict(paths: list[Path]) -> float:
 
 def disk_use(directory: Path) -> dict[str, Any]:
     """What the folder occupies: files (one inode each), apparent and allocated bytes, the index."""
-    files = apparent = allocated = 0
+    files = apparent = allocated = index_bytes = folders = 0
     sizes: list[int] = []
-    for item in os.scandir(directory):
-        info = item.stat(follow_symlinks=False)
+    for path in directory.rglob("*"):
+        info = path.stat(follow_symlinks=False)
+        if path.is_dir():
+            folders += 1
+            allocated += info.st_blocks * 512
+            continue
         files += 1
         apparent += info.st_size
         allocated += info.st_blocks * 512
-        if item.name.endswith(".safetensors"):
+        if path.name.endswith((".safetensors", ".bin")):
             sizes.append(info.st_size)
-    index = (directory / "index.jsonl").stat()
+        if path.name.endswith((".jsonl", ".json")):
+            index_bytes += info.st_size
+    indexes = [directory / "index.jsonl", *directory.glob("shards/*.jsonl")]
+    samples = sum(path.read_bytes().count(b"\n") for path in indexes if path.exists())
     folder = directory.stat()
     return {
         "files": files,
-        "inodes": files + 1,  # the folder's own
+        "inodes": files + folders + 1,  # the folders' own
         "sample_files": len(sizes),
         "sample_file_bytes": statistics.median(sizes) if sizes else 0,
         "apparent_bytes": apparent,
         "allocated_bytes": allocated + folder.st_blocks * 512,
-        "index_bytes": index.st_size,
-        "index_bytes_per_sample": index.st_size / max(1, len(sizes)),
+        "index_bytes": index_bytes,
+        "index_bytes_per_sample": index_bytes / max(1, samples),
         "folder_entry_bytes": folder.st_size,
         "block_size": os.statvfs(directory).f_bsize,
         "filesystem": filesystem(directory),
@@ -529,10 +548,14 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
         target = sample_id((args.samples + 1) // 2)
         from inspect_tl_vllm.store.layout import sample_file_name
 
-        files = [directory / "index.jsonl", directory / sample_file_name(target, 1)]
+        if args.shard_mb:  # the sample's shard is not known before its index is read: evict them all
+            files = sorted(path for path in directory.rglob("*") if path.is_file())
+        else:
+            files = [directory / "index.jsonl", directory / sample_file_name(target, 1)]
         files += [Path(location)] if args.eval_file else []  # read one via the log reads the .eval file
         result["read_one"] = {}
-        for via in ("index", "name", *(["log"] if args.eval_file else [])):
+        by_name = [] if args.shard_mb else ["name"]  # a shard has no file name derived from the id
+        for via in ("index", *by_name, *(["log"] if args.eval_file else [])):
             for cache in ("cold", "warm"):
                 runs = []
                 for _ in range(args.repeats):
@@ -541,7 +564,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                     say(f"reading {target} via {via} ({cache})", file=sys.stderr)
                     runs.append(run_phase(args, "read-one", "--read-one", target, "--via", via))
                 result["read_one"][f"{via}_{cache}"] = median_run(runs)
-        everything = sorted(path for path in directory.iterdir() if path.is_file())
+        everything = sorted(path for path in directory.rglob("*") if path.is_file())
         result["read_all"] = {}
         for cache in ("cold", "warm"):
             if cache == "cold" and not args.no_evict:
@@ -585,7 +608,7 @@ def table(result: dict[str, Any]) -> str:
         ),
         ("files (inodes)", f"{d['files']} ({d['inodes']})"),
         ("bytes apparent / allocated", f"{d['apparent_bytes'] / mib:.1f} / {d['allocated_bytes'] / mib:.1f} MiB"),
-        ("per sample file / index line", f"{d['sample_file_bytes']:.0f} B / {d['index_bytes_per_sample']:.0f} B"),
+        ("per data file / index line", f"{d['sample_file_bytes']:.0f} B / {d['index_bytes_per_sample']:.0f} B"),
     ]
     for key, got in one.items():
         inner = f"index parse {got['index_parse_s']:.2f} s, " if "index_parse_s" in got else ""
@@ -629,6 +652,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=1, help="rows per tensor: 1 is a pooled capture, more per-token")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--shard-mb", type=int, default=None, help="store in shards of about this many MiB")
     parser.add_argument("--dir", default=None, help="work folder (empty or new; kept); default a temporary one")
     parser.add_argument("--keep", action="store_true", help="keep the temporary work folder")
     parser.add_argument("--eval-file", action="store_true", help="also write a .eval log and load from that path")

@@ -26,6 +26,14 @@ and, only when named in ``--variants``:
   receipts do all of ``steer``'s work, but the outputs stay ``plain``'s, so the difference
   between the two steer variants is what changing the outputs costs (a random-weight model's
   greedy outputs are nearly constant).
+- ``capture_all_disk`` and ``capture_all_s3``: ``capture_all``, then every request's activations
+  stored as the provider stores a sample (``write_sample`` into 256 MiB shards, four writer
+  threads as the provider's ``asyncio.to_thread``, then ``close_writer`` as at the end of an eval)
+  in a local folder under ``--scratch``, or in a bucket of a moto S3 server that this script starts
+  on localhost (``moto[server]`` and ``s3fs`` needed), through s3fs. The time counted runs from
+  the first request to the last shard stored, so the ratio includes storing; here storing starts
+  when the whole batch has finished, where the provider stores each sample as it finishes, so it
+  is the worse case. What was stored is removed after each run, untimed.
 - ``hotwire``: the peer project hotwire-vllm (a vLLM general plugin that steers inside CUDA
   graphs; it does not capture) doing ``steer``'s work in a third engine process, the only one
   with ``--hotwire-dir`` on its path and ``VLLM_PLUGINS=hotwire``.  Each request names its own
@@ -81,6 +89,9 @@ import gpu_power  # bench/ is on sys.path when this file runs as a script
 import proc_stats
 
 VARIANTS = ["vanilla", "plain", "steer", "capture", "capture_all"]
+STORED = {"capture_all_disk": "disk", "capture_all_s3": "s3"}
+"""Variants that store ``capture_all``'s activations as the provider does, and where."""
+S3_BUCKET = "tlvllm-bench"
 HOTWIRE_PLUGIN = "hotwire"  # hotwire-vllm's entry point in vllm.general_plugins
 # Model shapes: a config.json (bos/eos ids and tokenizer from SmolLM2) loaded with dummy weights.
 # llama8b-shape's config must stay byte-identical: earlier results were measured on it.
@@ -399,7 +410,15 @@ def run_variant(
         outputs = engine.generate(prompts, specs=specs, **params)
         token_ids = [o.token_ids for o in outputs]
         phases = {key: round(value, 3) for key, value in engine.last_timings.items()}
+        if variant in STORED:
+            generated_s = time.perf_counter() - t0
+            stored = store_outputs(outputs, options["stores"][STORED[variant]])
+            stored_s = time.perf_counter() - t0 - generated_s
+            phases.update(until_generated_s=round(generated_s, 3), store_s=round(stored_s, 3))
     elapsed = time.perf_counter() - t0
+    if variant in STORED:
+        phases.update(stored)
+        remove_stored(options["stores"][STORED[variant]])
     generated = sum(len(ids) for ids in token_ids)
     result = {"variant": variant, "seconds": elapsed, "generated": generated, "tok_s": generated / elapsed}
     result["token_ids"] = token_ids
@@ -418,6 +437,82 @@ def run_variant(
     return result
 
 
+def store_outputs(outputs: list[Any], location: str) -> dict[str, Any]:
+    """Store each output's activations as the provider stores a sample, in shards, with four
+    threads; wait for the last shard to be stored. Returns what was stored."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from inspect_tl_vllm.store.folders import folder_at
+    from inspect_tl_vllm.store.layout import write_sample
+    from inspect_tl_vllm.store.shards import close_writer, writer_for
+
+    folder = folder_at(location)
+    folder.check_writable()
+    writer = writer_for(folder, 256)
+
+    def store(index: int) -> int:
+        output = outputs[index]
+        write_sample(
+            folder,
+            eval_id="bench",
+            sample_id=index,
+            epoch=1,
+            sample_uuid=str(index),
+            activations=output.activations,
+            tokens=output.receipt.get("captures", {}),
+            positions=output.positions,
+            shards=writer,
+        )
+        return sum(t.numel() * t.element_size() for t in output.activations.values())
+
+    with ThreadPoolExecutor(4) as pool:
+        written = sum(pool.map(store, range(len(outputs))))
+    close_writer(folder)
+    return {"stored_bytes": written, "stored_samples": len(outputs)}
+
+
+def remove_stored(location: str) -> None:
+    from inspect_tl_vllm.store.folders import RemoteFolder, folder_at
+
+    folder = folder_at(location)
+    if isinstance(folder, RemoteFolder):
+        folder.fs.rm(folder.root, recursive=True)
+    else:
+        shutil.rmtree(location, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def s3_server(needed: bool) -> Iterator[dict[str, str]]:
+    """A moto S3 server on localhost with the bench's bucket, and the environment that points
+    s3fs at it (set here, so that the engine processes spawned later inherit it)."""
+    if not needed:
+        yield {}
+        return
+    import socket
+
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {
+        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
+        "AWS_ACCESS_KEY_ID": "bench",
+        "AWS_SECRET_ACCESS_KEY": "bench",
+        "AWS_DEFAULT_REGION": "us-east-1",
+    }
+    os.environ.update(env)
+    try:
+        import s3fs
+
+        s3fs.S3FileSystem().mkdir(S3_BUCKET)
+        yield env
+    finally:
+        server.stop()
+
+
 def engine_for(variant: str) -> str:
     return variant if variant in ("vanilla", "hotwire") else "instrumented"
 
@@ -431,6 +526,8 @@ def variant_specs(variant: str, vectors: list[list[float]], layers: int) -> list
         return [{"interventions": [{"hook": hook, "vector": v, "coef": coef}]} for v in vectors]
     if variant == "capture":
         return [{"capture": {"hooks": [f"blocks.{middle}.hook_resid_post"], "reduce": "mean"}} for _ in vectors]
+    if variant != "capture_all" and variant not in STORED:
+        raise ValueError(f"unknown variant {variant!r}")
     hooks = ["blocks.0.hook_resid_pre", *(f"blocks.{i}.hook_resid_post" for i in range(layers))]
     return [{"capture": {"hooks": hooks, "positions": "prompt", "dtype": "bfloat16"}} for _ in vectors]
 
@@ -469,6 +566,12 @@ def main() -> int:
         parser.error("variant hotwire needs --hotwire-dir DIR holding hotwire-vllm (pip install --target DIR)")
     if not args.cpu and len(kinds) * args.gpu_memory_utilization > 0.95:
         parser.error(f"{len(kinds)} engines x --gpu-memory-utilization {args.gpu_memory_utilization} exceed the GPU")
+    with s3_server(any(STORED.get(variant) == "s3" for variant in variants)):
+        return measure(args, variants, kinds)
+
+
+def measure(args: argparse.Namespace, variants: list[str], kinds: list[str]) -> int:
+    """Boot the engines, run the warm-up round and the measured rounds, write the summary."""
 
     path, extra = model_dir(args.model, Path(args.scratch))
     prompts = chat_prompts(path, args.prompts)
@@ -506,6 +609,7 @@ def main() -> int:
     def run(variant: str, new_tokens: int, profile_to: str | None = None) -> dict[str, Any]:
         _, conn = engines[engine_for(variant)]
         options = {"detokenize": not args.no_detokenize, "py_spy": args.py_spy, "profile_to": profile_to}
+        options["stores"] = {"disk": str(Path(args.scratch) / "stored"), "s3": f"s3://{S3_BUCKET}/stored"}
         conn.send((variant, new_tokens, options))
         power: dict[str, Any] = {}
         procs: dict[str, Any] = {}
