@@ -561,6 +561,8 @@ def table(result: dict[str, Any]) -> str:
     ]
     for key, label, per in phases:
         for store in ("local", "s3"):
+            if key not in result["stores"][store]:  # read one by name: not with shards
+                continue
             got = result["stores"][store][key]
             wall = got["wall_s"]
             count = got.get("samples", got.get("entries", per))
