@@ -534,9 +534,11 @@ def table(result: dict[str, Any]) -> str:
     m = result["machine"]
     load = (result["load_average_start"][0], result["load_average_end"][0])
     cores = m["cpus_usable"] or m["cpu_count"]
+    shard_mb = result["args"].get("shard_mb")
+    layout = f"in shards of {shard_mb} MiB" if shard_mb else "a file each"
     lines = [
         f"{n} samples, {result['args']['hooks']} hook points x {result['args']['width']} float32, pooled "
-        f"(one {result['stores']['local']['write']['sample_file_bytes']} B safetensors file per sample). "
+        f"({result['stores']['local']['write']['sample_file_bytes']} B of safetensors a sample, {layout}). "
         f"{m['cpus_usable']} cores ({m['cpu_model']}), Python {m['python']}, s3fs {m['versions']['s3fs']}, "
         f"moto {m['versions']['moto']}, botocore {m['versions']['botocore']}.",
         "",

@@ -451,3 +451,7 @@ def test_a_killed_sharded_run_is_finished_by_eval_retry_with_nothing_lost_or_dou
     assert carried == {"s0": killed.eval.eval_id, "s1": killed.eval.eval_id, "s2": None}
     assert sorted(e["sample_id"] for e in read_index(folder)) == ["s0", "s1"]  # the spool, uploaded
     assert not any(p.is_file() for p in spool.rglob("*"))
+    loaded = {r.sample_id: r for r in records}
+    for sample_id in ("s0", "s2"):  # through the log alone: a ranged read of the shard its output names
+        one = activations.read(retried.location, sample_id, 1)
+        assert one.index["offset"] >= 0 and torch.equal(one.activations[HOOK], loaded[sample_id].activations[HOOK])

@@ -338,3 +338,14 @@ def test_shard_size_is_checked(value):
     with pytest.raises(SpecError, match=r"activations_shard_mb=.*within 1 and 4096"):
         parse_model_args({"activations_shard_mb": value})
     assert parse_model_args({"activations_shard_mb": "64"}).activations_shard_mb == 64
+
+
+def test_sharded_samples_stream_out_as_arrow_rows_joined_with_their_samples(tmp_path):
+    """What a probe or SAE trainer reads: one Arrow row per stored token row, from shards."""
+    pytest.importorskip("pyarrow")
+    log, entries = sharded_log(tmp_path, ["a", "b", "c"], target=300)
+    assert len({e["file"] for e in entries}) >= 2
+    table = activations.arrow_reader(log, batch_rows=3).read_all()
+    assert table.column("sample_id").to_pylist() == ["a", "a", "b", "b", "c", "c"]
+    vectors = table.column("vector").to_pylist()
+    assert [v[0] for v in vectors] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
