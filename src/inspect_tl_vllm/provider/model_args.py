@@ -69,6 +69,12 @@ class ProviderSettings:
                 path, key = split_vector_ref(vector)
                 if path.is_file():
                     item["vector"] = [hashlib.sha256(path.read_bytes()).hexdigest(), key]
+            if isinstance(item.get("sae"), str):  # an SAE's files, so that retraining it changes the key
+                from inspect_tl_vllm.vectors.sae import CONFIG, WEIGHTS
+
+                folder = Path(item["sae"]).expanduser()
+                files = [folder / CONFIG, folder / WEIGHTS]
+                item["sae"] = [hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else None for f in files]
         text = json.dumps([self.engine_key(model), spec], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -96,12 +102,13 @@ def _load_structured(value: str, name: str) -> Any:
 
 
 def _relative_vectors(spec: Any, base: Path) -> Any:
-    """Vector file paths in a spec file are relative to that file's folder."""
+    """Vector files and SAE folders named in a spec file are relative to that file's folder."""
     if isinstance(spec, dict):
         for item in spec.get("interventions") or []:
-            vector = item.get("vector") if isinstance(item, dict) else None
-            if isinstance(vector, str) and not Path(vector).is_absolute():
-                item["vector"] = str(base / vector)
+            for field_name in ("vector", "sae"):
+                value = item.get(field_name) if isinstance(item, dict) else None
+                if isinstance(value, str) and not Path(value).expanduser().is_absolute():
+                    item[field_name] = str(base / value)
     return spec
 
 

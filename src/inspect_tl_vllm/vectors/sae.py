@@ -1,0 +1,176 @@
+"""Sparse autoencoders in SAELens' on-disk format: a folder with ``cfg.json`` and
+``sae_weights.safetensors`` (``W_enc`` [d_in, d_sae], ``b_enc`` [d_sae], ``W_dec`` [d_sae, d_in],
+``b_dec`` [d_in], and ``threshold`` [d_sae] for JumpReLU), as ``SAE.save_model`` writes it and
+Gemma Scope / Llama Scope releases ship.
+
+Architectures: ``standard`` (ReLU), ``jumprelu`` (Gemma Scope) and ``topk`` (``k``, and
+``rescale_acts_by_decoder_norm``). The config's hook name (``metadata.hook_name`` in SAELens 6,
+``hook_name`` before) is TransformerLens' name, which is also this package's
+(``blocks.N.hook_resid_post`` ...). Input normalisations other than ``none`` and ``hook_z``
+reshaping are refused by name rather than approximated. Weights are read with safetensors only,
+never unpickled, and checked for shape and finiteness when loaded.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from inspect_tl_vllm.specs import MAX_FEATURE, MAX_VECTOR_ENTRY, SpecError, parse_hook_point
+
+CONFIG = "cfg.json"
+WEIGHTS = "sae_weights.safetensors"
+ARCHITECTURES = ("standard", "jumprelu", "topk")
+
+
+@dataclass(frozen=True)
+class SparseAutoencoder:
+    path: Path
+    architecture: str
+    hook: str
+    d_in: int
+    d_sae: int
+    W_enc: torch.Tensor  # noqa: N815 (SAELens' names)
+    b_enc: torch.Tensor
+    W_dec: torch.Tensor  # noqa: N815
+    b_dec: torch.Tensor
+    threshold: torch.Tensor | None
+    k: int | None
+    apply_b_dec_to_input: bool
+    rescale_acts_by_decoder_norm: bool
+
+    def encode(self, activations: torch.Tensor) -> torch.Tensor:
+        """Feature activations [..., d_sae] of activations [..., d_in], in float32, as SAELens'
+        ``SAE.encode`` computes them for this architecture."""
+        x = activations.to(torch.float32)
+        if self.apply_b_dec_to_input:
+            x = x - self.b_dec
+        pre = x @ self.W_enc + self.b_enc
+        if self.architecture == "standard":
+            return pre.relu()
+        if self.architecture == "jumprelu":
+            assert self.threshold is not None
+            return pre.relu() * (pre > self.threshold).to(pre.dtype)
+        assert self.k is not None
+        if self.rescale_acts_by_decoder_norm:
+            pre = pre * self.W_dec.norm(dim=-1)
+        values, indices = pre.topk(self.k, dim=-1, sorted=False)
+        return torch.zeros_like(pre).scatter(-1, indices, values.relu())
+
+    def decoder_row(self, feature: int, where: str) -> torch.Tensor:
+        """Feature ``feature``'s decoder direction (what adding the feature adds), float32 [d_in]."""
+        if not 0 <= feature < self.d_sae:
+            raise SpecError(f"{where}: feature {feature} is out of range; {self.path} has features 0..{self.d_sae - 1}")
+        return self.W_dec[feature].contiguous()
+
+
+def load_sae(path: str | Path, where: str = "sae") -> SparseAutoencoder:
+    """The SAE in the folder ``path`` (read once per folder and file versions), or a SpecError
+    naming ``where``, the file and what is wrong."""
+    folder = Path(path).expanduser()
+    files = [folder / CONFIG, folder / WEIGHTS]
+    for file in files:
+        if not file.is_file():
+            raise SpecError(
+                f"{where}: {folder} is not an SAE folder: {file.name} not found (SAELens' format: "
+                f"{CONFIG} and {WEIGHTS}, as SAE.save_model writes them)"
+            )
+    key = (str(folder.resolve()), tuple((file.stat().st_mtime_ns, file.stat().st_size) for file in files))
+    sae = _loaded.get(key)
+    if sae is None:  # a folder rewritten since (other mtimes or sizes) loads anew
+        sae = _loaded[key] = _read(key[0], where)
+        while len(_loaded) > 8:
+            _loaded.pop(next(iter(_loaded)))
+    return sae
+
+
+_loaded: dict[tuple[str, tuple[tuple[int, int], ...]], SparseAutoencoder] = {}
+
+
+def _read(folder: str, where: str) -> SparseAutoencoder:
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    path = Path(folder)
+    try:
+        config = json.loads((path / CONFIG).read_text())
+    except (OSError, ValueError) as err:
+        raise SpecError(f"{where}: cannot read {path / CONFIG}: {err}") from err
+    if not isinstance(config, dict):
+        raise SpecError(f"{where}: {path / CONFIG} is not a JSON object")
+    architecture = config.get("architecture", "standard")
+    if architecture not in ARCHITECTURES:
+        raise SpecError(f"{where}: {path}: architecture {architecture!r} is not supported; use one of {ARCHITECTURES}")
+    for key, allowed in (("normalize_activations", "none"), ("reshape_activations", "none")):
+        if config.get(key, "none") not in (allowed, None):
+            raise SpecError(f"{where}: {path}: {key}={config[key]!r} is not supported (only {allowed!r})")
+    metadata = config.get("metadata") if isinstance(config.get("metadata"), dict) else {}
+    hook = metadata.get("hook_name") or config.get("hook_name")
+    if not isinstance(hook, str):
+        raise SpecError(f"{where}: {path / CONFIG} names no hook point (metadata.hook_name)")
+    try:
+        parse_hook_point(hook)
+    except SpecError as err:
+        raise SpecError(f"{where}: {path / CONFIG}: hook {hook!r}: {err}") from None
+    d_in, d_sae = config.get("d_in"), config.get("d_sae")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_FEATURE + 1 for v in (d_in, d_sae)):
+        raise SpecError(f"{where}: {path / CONFIG}: d_in and d_sae must be whole numbers within 1 and 2**24")
+    try:
+        weights = load_file(str(path / WEIGHTS))
+    except (OSError, SafetensorError) as err:
+        raise SpecError(f"{where}: cannot read {path / WEIGHTS}: {err}") from err
+    shapes = {"W_enc": (d_in, d_sae), "b_enc": (d_sae,), "W_dec": (d_sae, d_in), "b_dec": (d_in,)}
+    if architecture == "jumprelu":
+        shapes["threshold"] = (d_sae,)
+    tensors = {}
+    for name, shape in shapes.items():
+        tensor = weights.get(name)
+        if tensor is None:
+            raise SpecError(f"{where}: {path / WEIGHTS} has no tensor {name!r} ({architecture} needs {sorted(shapes)})")
+        if tuple(tensor.shape) != shape:
+            raise SpecError(f"{where}: {path / WEIGHTS}: {name} has shape {tuple(tensor.shape)}, expected {shape}")
+        if not tensor.is_floating_point():
+            raise SpecError(f"{where}: {path / WEIGHTS}: {name} is {tensor.dtype}, not floating point")
+        tensor = tensor.to(torch.float32)
+        if not torch.isfinite(tensor).all():
+            raise SpecError(f"{where}: {path / WEIGHTS}: {name} holds NaN or inf")
+        tensors[name] = tensor.contiguous()
+    largest = float(tensors["W_dec"].abs().max())
+    if largest > MAX_VECTOR_ENTRY:
+        raise SpecError(
+            f"{where}: {path / WEIGHTS}: W_dec has an entry of magnitude {largest:g}, over {MAX_VECTOR_ENTRY:g}"
+        )
+    k = config.get("k") if architecture == "topk" else None
+    if architecture == "topk" and not (isinstance(k, int) and not isinstance(k, bool) and 0 < k <= d_sae):
+        raise SpecError(f"{where}: {path / CONFIG}: a topk SAE needs k within 1 and d_sae={d_sae}, got {k!r}")
+    return SparseAutoencoder(
+        path=path,
+        architecture=architecture,
+        hook=hook,
+        d_in=d_in,
+        d_sae=d_sae,
+        threshold=tensors.get("threshold"),
+        k=k,
+        apply_b_dec_to_input=bool(config.get("apply_b_dec_to_input", True)),
+        rescale_acts_by_decoder_norm=bool(config.get("rescale_acts_by_decoder_norm", False)),
+        **{name: tensors[name] for name in ("W_enc", "b_enc", "W_dec", "b_dec")},
+    )
+
+
+def feature_vector(path: str, feature: int, *, hook: str, width: int, where: str) -> torch.Tensor:
+    """The decoder row that steering by ``feature`` adds at ``hook``, checked against the SAE's own
+    hook point and the model's hidden size."""
+    sae = load_sae(path, f"{where}.sae")
+    if sae.hook != hook:
+        raise SpecError(
+            f"{where}: the SAE at {sae.path} was trained on {sae.hook!r}, not {hook!r}; steer at its hook point"
+        )
+    if sae.d_in != width:
+        raise SpecError(
+            f"{where}: the SAE at {sae.path} reads {sae.d_in}-wide activations but the model's hidden size is {width}; "
+            "was it trained on another model?"
+        )
+    return sae.decoder_row(feature, f"{where}.feature")

@@ -1,0 +1,141 @@
+"""Sparse autoencoders in SAELens' format: built and saved by ``sae-lens`` itself, read here and
+encoded as ``sae-lens`` encodes; steering by a feature adds that feature's decoder row, on the real
+CPU engine; bad folders, features and hook points fail by name."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from inspect_tl_vllm.specs import SpecError, parse_request_spec
+from inspect_tl_vllm.vectors.sae import load_sae
+
+HOOK = "blocks.1.hook_resid_post"
+WIDTH = 64  # the tiny model's hidden size (conftest.TINY)
+
+
+def saved_sae(folder, architecture: str, d_in: int = WIDTH, d_sae: int = 256, hook: str = HOOK, seed: int = 0):
+    """An SAE of ``architecture`` with random weights, made and saved by sae-lens; returns it."""
+    from sae_lens import SAE, JumpReLUSAEConfig, StandardSAEConfig, TopKSAEConfig
+
+    configs = {"standard": StandardSAEConfig, "jumprelu": JumpReLUSAEConfig, "topk": TopKSAEConfig}
+    extra = {"k": 8, "rescale_acts_by_decoder_norm": True} if architecture == "topk" else {}
+    config = configs[architecture](d_in=d_in, d_sae=d_sae, **extra).to_dict()
+    config["metadata"]["hook_name"] = hook
+    sae = SAE.from_dict(config)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in sae.named_parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.3)
+            if name == "threshold":
+                parameter.abs_()
+    sae.save_model(folder)
+    return sae
+
+
+@pytest.mark.parametrize("architecture", ["standard", "jumprelu", "topk"])
+def test_features_equal_sae_lens_encode(tmp_path, architecture):
+    reference = saved_sae(tmp_path, architecture)
+    sae = load_sae(tmp_path)
+    x = torch.randn(40, WIDTH, generator=torch.Generator().manual_seed(1)) * 2
+    expected = reference.encode(x).detach()
+    got = sae.encode(x)
+    assert (expected != 0).sum() > 40  # features fire: the comparison is not of zeros
+    assert float((got - expected).norm() / expected.norm()) < 1e-5
+    assert torch.equal(sae.decoder_row(3, "f"), reference.W_dec[3].detach())
+    assert (sae.architecture, sae.hook, sae.d_in, sae.d_sae) == (architecture, HOOK, WIDTH, 256)
+
+
+def test_bad_sae_folders_fail_by_name(tmp_path):
+    with pytest.raises(SpecError, match=r"not an SAE folder: cfg.json not found"):
+        load_sae(tmp_path / "nothing")
+    saved_sae(tmp_path / "sae", "standard")
+    config_path = tmp_path / "sae" / "cfg.json"
+    config = json.loads(config_path.read_text())
+    for change, fragment in [
+        ({"architecture": "gated"}, "architecture 'gated' is not supported"),
+        ({"normalize_activations": "layer_norm"}, "normalize_activations='layer_norm' is not supported"),
+        ({"d_sae": 128}, r"W_enc has shape \(64, 256\), expected \(64, 128\)"),
+        ({"metadata": {}}, "names no hook point"),
+        ({"metadata": {"hook_name": "blocks.1.hook_nonsense"}}, "hook 'blocks.1.hook_nonsense'"),
+    ]:
+        config_path.write_text(json.dumps({**config, **change}))
+        with pytest.raises(SpecError, match=fragment):
+            load_sae(tmp_path / "sae", "steer")
+    config_path.write_text(json.dumps(config))
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(tmp_path / "sae" / "sae_weights.safetensors"))
+    weights["W_dec"][0, 0] = float("nan")
+    save_file(weights, str(tmp_path / "sae" / "sae_weights.safetensors"))
+    with pytest.raises(SpecError, match="W_dec holds NaN or inf"):
+        load_sae(tmp_path / "sae")
+
+
+@pytest.mark.parametrize(
+    ("item", "fragment"),
+    [
+        ({"sae": "x"}, "needs both the SAE folder and the feature index"),
+        ({"feature": 3}, "needs both the SAE folder and the feature index"),
+        ({"sae": "x", "feature": 3, "op": "ablate"}, "op 'add' and no vector"),
+        ({"sae": "x", "feature": 3, "vector": [1.0]}, "op 'add' and no vector"),
+        ({"sae": "x", "feature": -1}, "feature"),
+        ({"sae": "x", "feature": 2**24}, "feature"),
+        ({"sae": "x", "feature": 1.5}, "feature"),
+    ],
+)
+def test_feature_steering_specs_are_checked(item, fragment):
+    with pytest.raises(SpecError, match=fragment):
+        parse_request_spec({"interventions": [{"hook": HOOK, **item}]})
+
+
+@pytest.mark.engine
+def test_steering_by_a_feature_adds_its_decoder_row(tiny_engine, tmp_path):
+    """``{"sae": DIR, "feature": i, "coef": c}`` steers exactly as the vector ``W_dec[i]`` with
+    coef c: the same tokens and bit-identical activations downstream; a feature of an SAE trained
+    elsewhere, or past its width, fails that request by name."""
+    reference = saved_sae(tmp_path / "sae", "jumprelu")
+    row = reference.W_dec[7].detach().tolist()
+    prompt = ["Once upon a time"]
+    capture = {"hooks": ["blocks.2.hook_resid_post"], "reduce": "none"}
+    by_feature = {"interventions": [{"hook": HOOK, "sae": str(tmp_path / "sae"), "feature": 7, "coef": 4.0}]}
+    by_vector = {"interventions": [{"hook": HOOK, "vector": row, "coef": 4.0}]}
+    plain = tiny_engine.generate(prompt, specs=[{"capture": capture}], max_tokens=6)[0]
+    [feature] = tiny_engine.generate(prompt, specs=[{**by_feature, "capture": capture}], max_tokens=6)
+    [vector] = tiny_engine.generate(prompt, specs=[{**by_vector, "capture": capture}], max_tokens=6)
+    assert feature.token_ids == vector.token_ids
+    assert torch.equal(feature.activations["blocks.2.hook_resid_post"], vector.activations["blocks.2.hook_resid_post"])
+    assert not torch.equal(
+        feature.activations["blocks.2.hook_resid_post"], plain.activations["blocks.2.hook_resid_post"]
+    )
+    assert feature.receipt["interventions"][0]["rows"] > 0
+
+    saved_sae(tmp_path / "other", "standard", hook="blocks.0.hook_resid_post")
+    elsewhere = {"interventions": [{"hook": HOOK, "sae": str(tmp_path / "other"), "feature": 7}]}
+    with pytest.raises(SpecError, match=r"trained on 'blocks.0.hook_resid_post', not 'blocks.1.hook_resid_post'"):
+        tiny_engine.generate(prompt, specs=[elsewhere], max_tokens=2)
+    past = {"interventions": [{"hook": HOOK, "sae": str(tmp_path / "sae"), "feature": 256}]}
+    with pytest.raises(SpecError, match=r"feature 256 is out of range; .* has features 0..255"):
+        tiny_engine.generate(prompt, specs=[past], max_tokens=2)
+    saved_sae(tmp_path / "wide", "standard", d_in=32)
+    wide = {"interventions": [{"hook": HOOK, "sae": str(tmp_path / "wide"), "feature": 1}]}
+    with pytest.raises(SpecError, match="reads 32-wide activations but the model's hidden size is 64"):
+        tiny_engine.generate(prompt, specs=[wide], max_tokens=2)
+
+
+def test_a_spec_file_names_its_sae_relative_to_itself_and_the_cache_key_follows_the_weights(tmp_path):
+    """``-M steer=spec.yaml`` finds ``sae: sae`` beside the file; retraining the SAE (new weights in
+    the same folder) changes the run's fingerprint, which Inspect's cache key carries."""
+    from inspect_tl_vllm.provider.model_args import parse_model_args
+
+    saved_sae(tmp_path / "sae", "standard")
+    spec = tmp_path / "steer.yaml"
+    spec.write_text(f"interventions:\n  - {{hook: {HOOK}, sae: sae, feature: 3, coef: 2.0}}\n")
+    settings = parse_model_args({"steer": str(spec)})
+    assert settings.run_spec.interventions[0].sae == str(tmp_path / "sae")
+    before = settings.fingerprint("m")
+    assert parse_model_args({"steer": str(spec)}).fingerprint("m") == before
+    saved_sae(tmp_path / "sae", "standard", seed=1)
+    assert parse_model_args({"steer": str(spec)}).fingerprint("m") != before
