@@ -30,7 +30,8 @@ and, only when named in ``--variants``:
   stored as the provider stores a sample (``write_sample`` into 256 MiB shards, four writer
   threads as the provider's ``asyncio.to_thread``, then ``close_writer`` as at the end of an eval)
   in a local folder under ``--scratch``, or in a bucket of a moto S3 server that this script starts
-  on localhost (``moto[server]`` and ``s3fs`` needed), through s3fs. The time counted runs from
+  on localhost (``storage_remote.Server``: moto in a process of its own; ``moto[server]`` and
+  ``s3fs`` needed), through s3fs. The time counted runs from
   the first request to the last shard stored, so the ratio includes storing; here storing starts
   when the whole batch has finished, where the provider stores each sample as it finishes, so it
   is the worse case. What was stored is removed after each run, untimed.
@@ -482,33 +483,22 @@ def remove_stored(location: str) -> None:
 
 
 @contextlib.contextmanager
-def s3_server(needed: bool) -> Iterator[dict[str, str]]:
-    """A moto S3 server on localhost with the bench's bucket, and the environment that points
-    s3fs at it (set here, so that the engine processes spawned later inherit it)."""
+def s3_server(needed: bool) -> Iterator[None]:
+    """A moto S3 server on localhost in a process of its own (``storage_remote.Server``) with the
+    bench's bucket, and the environment that points s3fs at it (set here, so that the engine
+    processes spawned later inherit it)."""
     if not needed:
-        yield {}
+        yield
         return
-    import socket
+    from storage_remote import Server  # bench/ is on sys.path when this file runs as a script
 
-    from moto.server import ThreadedMotoServer
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    env = {
-        "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}",
-        "AWS_ACCESS_KEY_ID": "bench",
-        "AWS_SECRET_ACCESS_KEY": "bench",
-        "AWS_DEFAULT_REGION": "us-east-1",
-    }
-    os.environ.update(env)
+    server = Server.start()
+    os.environ.update(server.env)
     try:
         import s3fs
 
         s3fs.S3FileSystem().mkdir(S3_BUCKET)
-        yield env
+        yield
     finally:
         server.stop()
 

@@ -306,6 +306,23 @@ def capture_task(marker: str):
 """
 
 
+def every_sample_once(retried: EvalLog, engine) -> list:
+    """``activations.load`` of the retried log: every sample once, joined with its score, and equal
+    to the engine's own capture of that question."""
+    from inspect_tl_vllm import activations
+
+    records = activations.load(retried.location)
+    assert sorted(r.sample_id for r in records) == ["s0", "s1", "s2"]
+    by_id = {s.id: s for s in retried.samples}
+    for record in records:
+        assert record.scores == {"exact": by_id[record.sample_id].scores["exact"].value}
+        chat = [{"role": "user", "content": QUESTIONS[int(record.sample_id[1])]}]
+        spec = {"capture": {"hooks": [HOOK], "reduce": "mean"}}
+        direct = engine.generate([chat], specs=[spec], max_tokens=4)[0]
+        assert torch.allclose(record.activations[HOOK], direct.activations[HOOK], rtol=1e-5, atol=1e-6)
+    return records
+
+
 @pytest.mark.engine
 def test_eval_with_a_bucket_log_dir_stores_beside_the_log_and_eval_retry_carries_over(
     s3, bucket_dir, vllm_ready, tiny_llama_dir, tiny_engine, tmp_path
@@ -335,15 +352,7 @@ def test_eval_with_a_bucket_log_dir_stores_beside_the_log_and_eval_retry_carries
         retried = eval_retry(first.location, log_dir=log_dir, max_samples=1, display="none")[0]
     assert retried.status == "success" and retried.location.startswith(f"{log_dir}/")
 
-    records = activations.load(retried.location)
-    assert sorted(r.sample_id for r in records) == ["s0", "s1", "s2"]
-    by_id = {s.id: s for s in retried.samples}
-    for record in records:
-        assert record.scores == {"exact": by_id[record.sample_id].scores["exact"].value}
-        chat = [{"role": "user", "content": QUESTIONS[int(record.sample_id[1])]}]
-        spec = {"capture": {"hooks": [HOOK], "reduce": "mean"}}
-        direct = tiny_engine.generate([chat], specs=[spec], max_tokens=4)[0]
-        assert torch.allclose(record.activations[HOOK], direct.activations[HOOK], rtol=1e-5, atol=1e-6)
+    records = every_sample_once(retried, tiny_engine)
 
     carried_read = activations.read(retried.location, "s0", 1)  # from the first eval's folder, via the log
     loaded = {r.sample_id: r for r in records}
@@ -353,7 +362,7 @@ def test_eval_with_a_bucket_log_dir_stores_beside_the_log_and_eval_retry_carries
     assert sorted(e["sample_id"] for e in entries) == ["s0", "s1", "s2"]
     carried = {e["sample_id"]: e.get("carried_from") for e in entries}
     assert carried["s0"]["eval_id"] == first.eval.eval_id and carried["s1"] is None and carried["s2"] is None
-    metadata = by_id["s1"].output.metadata["tlvllm"]["activations"]
+    metadata = next(s for s in retried.samples if s.id == "s1").output.metadata["tlvllm"]["activations"]
     assert metadata["dir"] == Path(root).name  # recorded beside the log: the two can move together
 
 
@@ -436,15 +445,7 @@ def test_a_killed_sharded_run_is_finished_by_eval_retry_with_nothing_lost_or_dou
         assert len(list(spool.rglob("*.jsonl"))) == 1
         retried = eval_retry(killed.location, log_dir=log_dir, max_samples=1, display="none")[0]
     assert retried.status == "success"
-    records = activations.load(retried.location)
-    assert sorted(r.sample_id for r in records) == ["s0", "s1", "s2"]
-    by_id = {s.id: s for s in retried.samples}
-    for record in records:
-        assert record.scores == {"exact": by_id[record.sample_id].scores["exact"].value}
-        chat = [{"role": "user", "content": QUESTIONS[int(record.sample_id[1])]}]
-        spec = {"capture": {"hooks": [HOOK], "reduce": "mean"}}
-        direct = tiny_engine.generate([chat], specs=[spec], max_tokens=4)[0]
-        assert torch.allclose(record.activations[HOOK], direct.activations[HOOK], rtol=1e-5, atol=1e-6)
+    records = every_sample_once(retried, tiny_engine)
     entries = read_index(retried.location.removesuffix(".eval") + ".activations")
     assert sorted(e["sample_id"] for e in entries) == ["s0", "s1", "s2"]
     carried = {e["sample_id"]: e.get("carried_from", {}).get("eval_id") for e in entries}
