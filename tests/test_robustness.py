@@ -59,15 +59,24 @@ def vector(seed: int) -> list[float]:
 
 
 def index_lines(directory: Path) -> list[dict[str, Any]]:
-    """Every line of the index, each of which must parse: a torn line fails the test."""
-    return [json.loads(line) for line in (directory / "index.jsonl").read_text().splitlines()]
+    """Every line of the index (``index.jsonl``, or every shard's ``.jsonl``), each of which must
+    parse: a torn line fails the test."""
+    indexes = [directory / "index.jsonl", *sorted(directory.glob("shards/*.jsonl"))]
+    return [json.loads(line) for index in indexes if index.exists() for line in index.read_text().splitlines()]
+
+
+def stored_path(directory: Path, entry: dict[str, Any]) -> Path:
+    return directory / "shards" / entry["file"] if "offset" in entry else directory / entry["file"]
 
 
 def assert_folder_consistent(directory: Path) -> None:
-    """No temporary files left; every index line names a complete file with its checksum."""
+    """No temporary files left; every index line names a complete file (or blob of a shard) with
+    its checksum."""
     assert not list(directory.glob(".tmp-*")), "a partial file was left behind"
     for entry in index_lines(directory):
-        blob = (directory / entry["file"]).read_bytes()
+        blob = stored_path(directory, entry).read_bytes()
+        if "offset" in entry:
+            blob = blob[entry["offset"] : entry["offset"] + entry["length"]]
         assert hashlib.sha256(blob).hexdigest() == entry["sha256"], entry["file"]
 
 
@@ -114,11 +123,15 @@ def retry_task(marker: str):
 '''
 
 
-def test_eval_retry_after_engine_death_keeps_one_entry_per_sample(provider_args, tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("layout", ["files", "shards"])
+def test_eval_retry_after_engine_death_keeps_one_entry_per_sample(provider_args, tiny_llama_dir, tmp_path, layout):
     """The engine dies while sample s1 is about to generate: the eval stops with s0 done. The
     retry writes a new log (new name, new eval id) and reuses s0 without running it; every
-    (sample, epoch) must come back from the retried log exactly once, joined with its score."""
+    (sample, epoch) must come back from the retried log exactly once, joined with its score.
+    With shards, the first eval's shard is hard-linked whole and indexed for the reused samples."""
     from inspect_tl_vllm import activations
+
+    model_args = {**provider_args, **({"activations_shard_mb": 1} if layout == "shards" else {})}
 
     task_file = tmp_path / "retry_task.py"
     task_file.write_text(RETRY_TASK)
@@ -126,7 +139,7 @@ def test_eval_retry_after_engine_death_keeps_one_entry_per_sample(provider_args,
         f"{task_file}@retry_task",
         task_args={"marker": str(tmp_path / "killed")},
         model=f"tl-vllm/{tiny_llama_dir}",
-        model_args=provider_args,
+        model_args=model_args,
         log_dir=str(tmp_path / "logs"),
         epochs=2,
         max_samples=1,  # one sample at a time: the samples before the victim complete
@@ -165,9 +178,10 @@ def test_eval_retry_after_engine_death_keeps_one_entry_per_sample(provider_args,
         assert line["eval_id"] == retried.eval.eval_id
         if key in done:  # reused: linked, not generated or stored twice
             assert line["carried_from"]["eval_id"] == first.eval.eval_id
-            assert (retry_dir / line["file"]).stat().st_ino == (first_dir / line["file"]).stat().st_ino
+            assert stored_path(retry_dir, line).stat().st_ino == stored_path(first_dir, line).stat().st_ino
         else:
             assert "carried_from" not in line
+        assert ("offset" in line) == (layout == "shards")
     generated = [(e["sample_id"], e["epoch"]) for e in index_lines(first_dir) + lines if "carried_from" not in e]
     assert sorted(generated) == sorted(expected), "every (sample, epoch) is generated exactly once"
 
