@@ -248,6 +248,18 @@ def test_a_killed_writers_spool_is_uploaded_by_the_next_reader_and_a_live_ones_i
     assert upload_spooled(folder) == 0 and not any(p.is_file() for p in spool.rglob("*"))
 
 
+def test_a_spool_that_cannot_be_made_is_named_with_its_fix(s3, bucket_dir, tmp_path, monkeypatch):
+    """The provider makes a bucket folder's writer before generation, so this fails the sample early."""
+    from inspect_tl_vllm.store.folders import folder_at
+    from inspect_tl_vllm.store.shards import SPOOL_ENV, ShardWriter
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(SPOOL_ENV, str(blocker))
+    with pytest.raises(OSError, match=rf"cannot spool shards for {bucket_dir} in {blocker}/.*set {SPOOL_ENV}"):
+        ShardWriter(folder_at(bucket_dir), 1 << 20)
+
+
 def test_a_remote_shard_cut_short_loses_only_its_samples_past_the_cut(s3, bucket_dir, spool):
     from inspect_tl_vllm.store.folders import folder_at
     from inspect_tl_vllm.store.layout import SampleReader, StoredFileError, read_index, read_sample

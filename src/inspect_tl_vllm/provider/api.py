@@ -416,12 +416,16 @@ class TLVLLMAPI(ModelAPI):
         return record
 
     def _activations_dir(self, active: ActiveSample) -> Folder:
-        """This eval's activations folder, checked for write access once per folder."""
+        """This eval's activations folder, checked for write access once per folder (with shards,
+        its writer made too, so that a spool that cannot be created fails before generation)."""
         from inspect_tl_vllm.store.layout import activations_dir_for
+        from inspect_tl_vllm.store.shards import writer_for
 
         directory = activations_dir_for(active.log_location, active.eval_id, self.settings.activations_dir)
         if directory not in self._writable_dirs:
             directory.check_writable()
+            if self.settings.activations_shard_mb:
+                writer_for(directory, self.settings.activations_shard_mb)
             self._writable_dirs.add(directory)
         return directory
 
