@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -66,11 +67,17 @@ def smollm2_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
-def vllm_ready() -> None:
+def vllm_ready() -> Iterator[None]:
     try:
         import vllm  # noqa: F401
     except ImportError as err:
         require(False, f"vLLM is not installed ({err}): run scripts/setup.sh")
+    yield
+    # The provider's shared engines, shut down while pytest's output streams are still open: at
+    # interpreter exit (the pool's own atexit) vLLM 0.32 logs its shutdown into closed streams.
+    pool = sys.modules.get("inspect_tl_vllm.provider.engine_pool")
+    if pool is not None:
+        pool.shutdown_engines()
 
 
 def build_tiny_model(architecture: str, config: object, target: Path, tokenizer_dir: Path) -> Path:
