@@ -134,12 +134,11 @@ class Instrumentation:
             stages[site.index] = stage + 1
             _check_reach(item.positions, prompt_len, max_tokens, f"{where}: interventions[{i}].positions")
             key = None
+            vector: torch.Tensor | None = None
             if item.sae is not None and item.feature is not None:
                 vector = feature_vector(
                     item.sae, item.feature, hook=item.hook, width=self.hidden_size, where=f"{where}: interventions[{i}]"
                 )
-                key = vector_hash(vector)
-                vectors[key] = vector
             elif item.vector is not None:
                 vector = load_vector(item.vector, self.hidden_size, where=f"{where}: interventions[{i}].vector")
                 if item.op == "ablate":
@@ -147,6 +146,7 @@ class Instrumentation:
                     if norm == 0:
                         raise SpecError(f"{where}: interventions[{i}].vector: cannot ablate a zero direction")
                     vector = (vector.double() / norm).float()
+            if vector is not None:
                 key = vector_hash(vector)
                 vectors[key] = vector
             steer.append(
