@@ -169,10 +169,6 @@ class Folder(ABC):
         """The names of the files directly in this folder that end with ``suffix``, sorted."""
 
     @abstractmethod
-    def read_range(self, name: str, start: int, length: int, where: str) -> bytes:
-        """``length`` bytes of ``name`` from ``start``; fewer when the file ends before (a shard cut short)."""
-
-    @abstractmethod
     def read_many(self, names: list[str]) -> dict[str, bytes | Exception]:
         """The bytes of each of ``names`` (an object store fetches them concurrently), or the error
         reading it raised."""
@@ -333,15 +329,6 @@ class LocalFolder(Folder):
             return []
         return sorted(p.name for p in self.path.iterdir() if p.name.endswith(suffix) and p.is_file())
 
-    def read_range(self, name: str, start: int, length: int, where: str) -> bytes:
-        path = self.file(name, where)
-        try:
-            with open(path, "rb") as handle:
-                handle.seek(start)
-                return handle.read(length)
-        except OSError as err:
-            raise StoredFileError(f"{where}: cannot read {path} ({err.strerror or err})") from err
-
     def read_many(self, names: list[str]) -> dict[str, bytes | Exception]:
         found: dict[str, bytes | Exception] = {}
         for name in names:
@@ -472,6 +459,8 @@ class RemoteFolder(Folder):
         return sorted(n for n in (posixpath.basename(p.rstrip("/")) for p in found) if n.endswith(suffix))
 
     def read_range(self, name: str, start: int, length: int, where: str) -> bytes:
+        """``length`` bytes of ``name`` from ``start`` (one ranged GET); fewer when the object ends
+        before (a shard cut short). Local shards are read with ``pread`` (``layout.SampleReader``)."""
         location = self.file(name, where)
         try:
             return self.fs.cat_file(self._path(name), start=start, end=start + length)
