@@ -20,7 +20,7 @@ skipped with a warning; carrying over never fails the eval.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 from inspect_ai.hooks import Hooks, TaskEnd, hooks
@@ -79,6 +79,7 @@ def carry_over(log: EvalLog) -> int:
     directory = activations_dir_for(log.location, log.eval.eval_id, override)
     roots = _allowed_roots(log.location, override)
     own = {(repr(e["sample_id"]), int(e["epoch"])): e.get("sample_uuid") for e in read_index(directory)}
+    candidates: dict[Folder, list[Folder]] = {}
     indexes: dict[Folder, dict[tuple[Any, Any], dict[str, Any]]] = {}
     refused: set[Folder] = set()
     missing: list[str] = []
@@ -88,7 +89,7 @@ def carry_over(log: EvalLog) -> int:
         key = (repr(sample.id), int(sample.epoch))
         if key in own and own[key] in (None, sample.uuid):  # None: recorded where Inspect gave no uuid
             continue
-        found = _find_stored(sample, log.location, directory, roots, indexes, refused)
+        found = _find_stored(sample, log.location, directory, roots, candidates, indexes, refused)
         if found is None:
             missing += [f"sample {sample.id!r} epoch {sample.epoch}"] if _recorded_files(sample, log.location) else []
             continue
@@ -126,12 +127,17 @@ def _find_stored(
     log_location: str,
     directory: Folder,
     roots: list[str],
+    candidates: dict[Folder, list[Folder]],
     indexes: dict[Folder, dict[tuple[Any, Any], dict[str, Any]]],
     refused: set[Folder],
 ) -> tuple[Folder, dict[str, Any]] | None:
-    """The folder and index entry of the file the sample's outputs name, in an allowed folder."""
+    """The folder and index entry of the file the sample's outputs name, in an allowed folder.
+    ``candidates`` and ``indexes`` keep, across the samples of one carry-over, each recorded
+    folder's candidates (found, and their spools uploaded, once) and each source's index."""
     for folder, stored in _recorded_files(sample, log_location):
-        for source in _candidates([folder], directory):
+        if folder not in candidates:
+            candidates[folder] = _candidates(folder, directory)
+        for source in candidates[folder]:
             if not any(source.is_below(root) for root in roots):
                 _warn_refused(sample, source, roots, refused)
                 continue
@@ -175,18 +181,17 @@ def _samples(log: EvalLog) -> Iterable[EvalSample]:
     return read_eval_log_samples(log.location, all_samples_required=False)
 
 
-def _candidates(recorded: Iterable[Folder], directory: Folder) -> Iterator[Folder]:
-    """Each recorded folder, then a folder of that name beside this one: logs moved together
-    (or a relative log dir retried from elsewhere) keep their activations. A name that is empty
-    or ``..`` names no folder beside this one, so it gives no second candidate."""
-    seen = {directory}
-    for folder in recorded:
-        beside = [] if folder.name in ("", ".", "..") else [directory.sibling(folder.name)]
-        for candidate in (folder, *beside):
-            upload_spooled(candidate)  # shards the run that wrote them (killed) left on this machine
-            if candidate.exists() and candidate not in seen:  # exists first: a symlink loop is no folder
-                seen.add(candidate)
-                yield candidate
+def _candidates(folder: Folder, directory: Folder) -> list[Folder]:
+    """The recorded folder, then a folder of that name beside this one: logs moved together (or a
+    relative log dir retried from elsewhere) keep their activations. A name that is empty or ``..``
+    names no folder beside this one, so it gives no second candidate."""
+    beside = [] if folder.name in ("", ".", "..") else [directory.sibling(folder.name)]
+    found: list[Folder] = []
+    for candidate in (folder, *beside):
+        upload_spooled(candidate)  # shards the run that wrote them (killed) left on this machine
+        if candidate.exists() and candidate not in (directory, *found):  # exists first: a symlink loop is no folder
+            found.append(candidate)
+    return found
 
 
 def _recorded_files(sample: EvalSample, log_location: str) -> list[tuple[Folder, tuple[str, str]]]:
