@@ -212,13 +212,14 @@ def link_shard(
     (hard link, server-side copy), with an index of its own listing just ``samples`` (entry from
     ``source``'s shard index, and the sample that reused it, as for ``link_sample``). Blobs of the
     shard that no carried sample names stay in it, unseen."""
-    folder, origin = as_folder(directory).sub(SHARDS), as_folder(source).sub(SHARDS)
+    earlier = as_folder(source)
+    folder, origin = as_folder(directory).sub(SHARDS), earlier.sub(SHARDS)
     name = samples[0][0].get("file")
     where = f"{origin.location}, sample {samples[0][0].get('sample_id')!r} epoch {samples[0][0].get('epoch')}"
     origin.file(name, where)
     if any(entry.get("file") != name for entry, _ in samples):
         raise ValueError("link_shard: every sample must come from the same shard")
-    carried = [_carried(entry, eval_id, as_folder(source), sample) for entry, sample in samples]
+    carried = [_carried(entry, eval_id, earlier, sample) for entry, sample in samples]
     folder.add_copy(origin, name, name, where)
     lines = "".join(json.dumps(entry, sort_keys=True) + "\n" for entry in carried)
     folder.write(shard_index_name(name), lines.encode())
