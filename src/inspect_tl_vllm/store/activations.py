@@ -82,9 +82,8 @@ def iter_load(
             entry = entries.get((repr(sample.id), int(sample.epoch)))
             if entry is None or entry.get("sample_uuid") not in (None, sample.uuid):
                 continue  # no file, or one left by an earlier attempt of this (sample, epoch) that failed
-            where = f"{directory.index_location}, sample {sample.id!r} epoch {sample.epoch}"
-            try:
-                tensors = read_sample(directory, entry, verify=verify, where=where, reader=reader)
+            try:  # errors name the index line: the folder's index, or the sample's shard index
+                tensors = read_sample(directory, entry, verify=verify, reader=reader)
             except StoredFileError as err:
                 if strict:
                     raise
