@@ -78,7 +78,7 @@ def load_sae(path: str | Path, where: str = "sae") -> SparseAutoencoder:
                 f"{where}: {folder} is not an SAE folder: {file.name} not found (SAELens' format: "
                 f"{CONFIG} and {WEIGHTS}, as SAE.save_model writes them)"
             )
-    key = (str(folder.resolve()), tuple((file.stat().st_mtime_ns, file.stat().st_size) for file in files))
+    key = (str(folder.resolve()), tuple((stat.st_mtime_ns, stat.st_size) for stat in (file.stat() for file in files)))
     sae = _loaded.get(key)
     if sae is None:  # a folder rewritten since (other mtimes or sizes) loads anew
         sae = _loaded[key] = _read(key[0], where)
