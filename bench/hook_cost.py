@@ -50,7 +50,7 @@ def chain(runtime: HookRuntime, kind: str) -> Any:
                 hidden, residual = runtime.apply(buffers, hidden, residual)
             elif kind == "inductor":
                 hidden, residual = reference(
-                    hidden, residual, buffers.table, runtime.bank, buffers.staging, buffers.norm_delta, buffers.fired
+                    hidden, residual, buffers.table, runtime.bank, buffers.staging, buffers.row_stats, buffers.fired
                 )
             hidden = hidden * 0.5  # stands in for the layer between two sites
         return hidden + residual
@@ -100,20 +100,27 @@ def correctness(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
     runtime = make_runtime(args, dtype)
     runtime.bank[1:] = torch.randn(8, width, generator=generator, device="cuda")
     table = runtime.sites[0].table
-    kinds = ("none", "add", "scale", "set", "ablate", "add+ablate")
+    kinds = ("none", "add", "scale", "set", "ablate", "add+ablate", "clamp", "jumprelu clamp")
+
+    def stage(*values: float) -> torch.Tensor:  # padded to the table's width with the identity's zeros
+        return torch.tensor([*values, *[0.0] * (table.shape[-1] - len(values))])
+
     for row in range(rows):
         kind = kinds[row % len(kinds)]
         vector = 1 + row % 8
         if kind in ("add", "add+ablate"):
-            table[row, 0] = torch.tensor([vector, 1.0, 3.0, 0.0])
+            table[row, 0] = stage(vector, 1.0, 3.0, 0.0)
         if kind == "scale":
-            table[row, 0] = torch.tensor([0, 2.5, 0.0, 0.0])
+            table[row, 0] = stage(0, 2.5, 0.0, 0.0)
         if kind == "set":
-            table[row, 0] = torch.tensor([vector, 0.0, 4.0, 0.0])
+            table[row, 0] = stage(vector, 0.0, 4.0, 0.0)
         if kind in ("ablate", "add+ablate"):
             unit = runtime.bank[vector] / runtime.bank[vector].norm()
             runtime.bank[vector] = unit
-            table[row, 1] = torch.tensor([vector, 1.0, 0.0, 1.0])
+            table[row, 1] = stage(vector, 1.0, 0.0, 1.0)
+        if kind.endswith("clamp"):  # decoder row `vector`, encoder row the next one
+            threshold = 0.5 if kind.startswith("jumprelu") else 0.0
+            table[row, 0] = stage(vector, 1.0, 2.0, 0.0, 1 + (vector % 8), 0.1, threshold, 1.0)
     hidden = torch.randn(rows, width, generator=generator, device="cuda").to(dtype)
     residual = torch.randn(rows, width, generator=generator, device="cuda").to(dtype)
     report: dict[str, Any] = {}
@@ -122,9 +129,9 @@ def correctness(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
         outputs = []
         for fn in (torch.ops.tlvllm.site_hook, reference):
             buffers = runtime.sites[0]
-            out, res_out = fn(hidden, res, table, runtime.bank, buffers.staging, buffers.norm_delta, buffers.fired)
+            out, res_out = fn(hidden, res, table, runtime.bank, buffers.staging, buffers.row_stats, buffers.fired)
             outputs.append(
-                (out.clone(), res_out.clone(), buffers.staging[:rows].clone(), buffers.norm_delta[:rows].clone())
+                (out.clone(), res_out.clone(), buffers.staging[:rows].clone(), buffers.row_stats[:rows].clone())
             )
         (out_k, zero_k, stage_k, delta_k), (out_r, zero_r, _, delta_r) = outputs
         plain = torch.arange(rows, device="cuda") % len(kinds) == 0
@@ -136,7 +143,7 @@ def correctness(args: argparse.Namespace, dtype: torch.dtype) -> dict[str, Any]:
             "steered_max_rel_error": float(diff[~plain].max()),
             "staging_equals_out": bool(torch.equal(stage_k, out_k)),
             "residual_out_is_zeros": bool(zero_k.shape == zero_r.shape and not zero_k.any()),
-            "norm_delta_max_abs_error": float((delta_k - delta_r).abs().max()),
+            "row_stats_max_abs_error": float((delta_k - delta_r).abs().max()),
         }
     return report
 

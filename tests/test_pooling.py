@@ -72,7 +72,7 @@ def test_prefill_then_decode_two_requests(reduce: str, spurious: bool) -> None:
 
 def steered_state(uid: str, prompt_len: int) -> RequestState:
     item = SteerItem(
-        index=0, label="add", site=0, stage=0, stage_row=np.array([1.0, 1.0, 2.0, 0.0], dtype=np.float32),
+        index=0, label="add", site=0, stage=0, stage_row=np.array([1.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=np.float32),
         scope=Scope.resolve("all", prompt_len),
     )  # fmt: skip
     return RequestState(uid=uid, prompt_len=prompt_len, steer=[item], capture=[])
@@ -81,7 +81,7 @@ def steered_state(uid: str, prompt_len: int) -> RequestState:
 @pytest.mark.parametrize("hook_runs", [True, False])
 def test_receipts_sum_on_the_device_and_prove_the_hook_ran(hook_runs: bool) -> None:
     """Receipts are summed on the device: rows per request, their norm changes (what the hook
-    wrote to ``norm_delta``), and ``fired`` only if the site's counter moved while the
+    wrote to ``row_stats``), and ``fired`` only if the site's counter moved while the
     request was live.  Request a retires after two steps; b is read while still live."""
     runtime = cpu_hook_runtime(WIDTH)
     router = StepRouter(runtime)
@@ -93,7 +93,7 @@ def test_receipts_sum_on_the_device_and_prove_the_hook_ran(hook_runs: bool) -> N
     for batch_index, query_start, computed in steps:
         router.begin_step(np.array(batch_index), np.array(query_start), np.array(computed))
         written = torch.randn(query_start[-1])
-        runtime.sites[0].norm_delta[: len(written)] = written
+        runtime.sites[0].row_stats[: len(written), 0] = written
         deltas["a"] += written[query_start[0] : query_start[1]].tolist()
         deltas["b"] += written[query_start[1] : query_start[2]].tolist()
         if hook_runs:
@@ -101,7 +101,7 @@ def test_receipts_sum_on_the_device_and_prove_the_hook_ran(hook_runs: bool) -> N
         router.end_step()
     router.retire(a)
     router.begin_step(np.array([0]), np.array([0, 1]), np.array([3]))  # b's third row; a's reads launch here
-    runtime.sites[0].norm_delta[0] = 0.5
+    runtime.sites[0].row_stats[0, 0] = 0.5
     deltas["b"].append(0.5)
     router.end_step()
     router.drain()
@@ -109,5 +109,5 @@ def test_receipts_sum_on_the_device_and_prove_the_hook_ran(hook_runs: bool) -> N
     for state, rows in ((a, 4), (b, 4)):
         item = state.steer[0]
         assert item.rows == rows
-        assert item.norm_delta_sum == pytest.approx(sum(deltas[state.uid]), rel=1e-6)
+        assert item.sums[0] == pytest.approx(sum(deltas[state.uid]), rel=1e-6)
         assert item.fired is hook_runs

@@ -79,8 +79,9 @@ def test_bad_sae_folders_fail_by_name(tmp_path):
     [
         ({"sae": "x"}, "needs both the SAE folder and the feature index"),
         ({"feature": 3}, "needs both the SAE folder and the feature index"),
-        ({"sae": "x", "feature": 3, "op": "ablate"}, "op 'add' and no vector"),
-        ({"sae": "x", "feature": 3, "vector": [1.0]}, "op 'add' and no vector"),
+        ({"sae": "x", "feature": 3, "op": "ablate"}, "op 'add' or 'clamp' and no vector"),
+        ({"sae": "x", "feature": 3, "vector": [1.0]}, "op 'add' or 'clamp' and no vector"),
+        ({"op": "clamp", "vector": [1.0]}, "'clamp' sets an SAE feature's activation; give sae and feature"),
         ({"sae": "x", "feature": -1}, "feature"),
         ({"sae": "x", "feature": 2**24}, "feature"),
         ({"sae": "x", "feature": 1.5}, "feature"),
@@ -139,3 +140,44 @@ def test_a_spec_file_names_its_sae_relative_to_itself_and_the_cache_key_follows_
     assert parse_model_args({"steer": str(spec)}).fingerprint("m") == before
     saved_sae(tmp_path / "sae", "standard", seed=1)
     assert parse_model_args({"steer": str(spec)}).fingerprint("m") != before
+
+
+@pytest.mark.engine
+def test_clamping_a_feature_sets_it_through_the_decoder_and_the_receipt_reports_it(tiny_engine, tmp_path):
+    """``op: clamp`` to c makes each steered row h + (c - f_i(h)) W_dec[i] (the SAE's error term
+    kept), and the receipt's ``feature_before``/``feature_after`` are f_i of the rows before and
+    after, averaged; f_i as sae-lens' own ``encode`` computes it.  Prompt rows only, so that the
+    unsteered run sees the same rows before the hook."""
+    reference = saved_sae(tmp_path / "sae", "jumprelu")
+    prompt = ["Once upon a time there was"]
+    capture = {"hooks": [HOOK], "reduce": "none", "positions": "prompt"}
+    [plain] = tiny_engine.generate(prompt, specs=[{"capture": capture}], max_tokens=3)
+    before = reference.encode(plain.activations[HOOK]).detach()
+    feature = int(before.mean(0).argmax())  # a feature that fires on this prompt
+    assert before[:, feature].max() > 0
+    sae_dir = str(tmp_path / "sae")
+    clamp = {"hook": HOOK, "op": "clamp", "sae": sae_dir, "feature": feature, "coef": 3.0, "positions": "prompt"}
+    [clamped] = tiny_engine.generate(prompt, specs=[{"interventions": [clamp], "capture": capture}], max_tokens=3)
+    h, steered = plain.activations[HOOK], clamped.activations[HOOK]
+    expected = h + (3.0 - before[:, feature : feature + 1]) * reference.W_dec[feature].detach()
+    assert float((steered - expected).abs().max()) < 1e-4
+    receipt = clamped.receipt["interventions"][0]
+    assert receipt["rows"] == h.shape[0]
+    assert receipt["feature_before"] == pytest.approx(float(before[:, feature].mean()), rel=1e-4, abs=1e-5)
+    after = reference.encode(steered).detach()[:, feature].mean()
+    assert receipt["feature_after"] == pytest.approx(float(after), rel=1e-4, abs=1e-5)
+    assert receipt["feature_after"] != pytest.approx(receipt["feature_before"], abs=1e-3)
+
+    add = {"hook": HOOK, "sae": sae_dir, "feature": feature, "coef": 2.0, "positions": "prompt"}
+    vector = {"hook": HOOK, "vector": reference.W_dec[feature].detach().tolist(), "coef": 2.0, "positions": "prompt"}
+    [both] = tiny_engine.generate(prompt, specs=[{"interventions": [add, vector], "capture": capture}], max_tokens=3)
+    by_feature, by_vector = both.receipt["interventions"]
+    assert by_feature["feature_before"] == pytest.approx(float(before[:, feature].mean()), rel=1e-4, abs=1e-5)
+    after_add = reference.encode(h + 2.0 * reference.W_dec[feature].detach()).detach()[:, feature].mean()
+    assert by_feature["feature_after"] == pytest.approx(float(after_add), rel=1e-4, abs=1e-5)  # right after its stage
+    assert by_vector["feature_before"] is None and by_vector["feature_after"] is None
+
+    saved_sae(tmp_path / "topk", "topk")
+    topk = {**clamp, "sae": str(tmp_path / "topk")}
+    with pytest.raises(SpecError, match="TopK SAE's feature activation depends on every other feature"):
+        tiny_engine.generate(prompt, specs=[{"interventions": [topk]}], max_tokens=2)

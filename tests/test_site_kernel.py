@@ -23,29 +23,46 @@ CHECK = textwrap.dedent(
     from inspect_tl_vllm.instrument.site_op import reference
 
     torch.manual_seed(0)
-    rows, width, stack = 9, 72, 2  # width not a power of two: the masked tail is exercised
-    bank = torch.zeros(4, width)
-    bank[1:] = torch.randn(3, width)
+    # width not a power of two: the masked tail is exercised
+    rows, width, stack = 11, 72, 2
+    bank = torch.zeros(5, width)
+    bank[1:] = torch.randn(4, width)
     bank[3] /= bank[3].norm()
-    table = torch.tensor([0.0, 1.0, 0.0, 0.0]).repeat(16, stack, 1)
-    table[1, 0] = torch.tensor([1, 1.0, 3.0, 0.0])   # add
-    table[2, 0] = torch.tensor([0, 2.5, 0.0, 0.0])   # scale
-    table[3, 0] = torch.tensor([2, 0.0, 4.0, 0.0])   # set
-    table[4, 1] = torch.tensor([3, 1.0, 0.0, 1.0])   # ablate
-    table[5, 0] = torch.tensor([1, 1.0, 2.0, 0.0])   # add, then ablate
-    table[5, 1] = torch.tensor([3, 1.0, 0.0, 1.0])
+    bank[4] /= 4  # an encoder column: feature activations of a few units
+    table = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]).repeat(16, stack, 1)
+
+    def stage(*values):
+        return torch.tensor([*values, *[0.0] * (8 - len(values))])
+
+    table[1, 0] = stage(1, 1.0, 3.0, 0.0)   # add
+    table[2, 0] = stage(0, 2.5, 0.0, 0.0)   # scale
+    table[3, 0] = stage(2, 0.0, 4.0, 0.0)   # set
+    table[4, 1] = stage(3, 1.0, 0.0, 1.0)   # ablate
+    table[5, 0] = stage(1, 1.0, 2.0, 0.0)   # add, then ablate
+    table[5, 1] = stage(3, 1.0, 0.0, 1.0)
+    table[9, 1] = stage(1, 1.0, 1.5, 0.0, 4, 0.25, 0.0, 1.0)   # clamp feature (W_dec 1, W_enc 4) to 1.5
+    table[10, 0] = stage(4, 1.0, 0.5, 0.0, 4, 3.0, 0.3, 0.0)  # add a feature, JumpReLU threshold 0.3
     unsteered = [0, 6, 7, 8]
+
+    def act(pre, threshold):
+        return pre if pre > threshold else 0.0
 
     def by_hand(x):  # the table's stages written out, in float32: a reference independent of both
         u = bank[3]
         y = x.clone()
+        stats = torch.zeros(16, 3)
         y[1] = x[1] + 3.0 * bank[1]
         y[2] = 2.5 * x[2]
         y[3] = 4.0 * bank[2]
         y[4] = x[4] - (x[4] @ u) * u
         y[5] = x[5] + 2.0 * bank[1]
         y[5] = y[5] - (y[5] @ u) * u
-        return y
+        f = act(float(x[9] @ bank[4]) + 0.25, 0.0)
+        y[9] = x[9] + (1.5 - f) * bank[1]
+        stats[9, 1:] = torch.tensor([f, act(float(y[9] @ bank[4]) + 0.25, 0.0)])
+        y[10] = x[10] + 0.5 * bank[4]
+        stats[10, 1:] = torch.tensor([act(float(x[10] @ bank[4]) + 3.0, 0.3), act(float(y[10] @ bank[4]) + 3.0, 0.3)])
+        return y, stats
 
     def rel(a, b):
         return ((a.float() - b).abs().max() / b.abs().max()).item()
@@ -60,12 +77,12 @@ CHECK = textwrap.dedent(
             results = []
             for fn in (launch, reference):
                 staging = torch.full((16, width), 7.0, dtype=hidden.dtype)
-                delta, fired = torch.zeros(16), torch.zeros(1, dtype=torch.int64)
+                delta, fired = torch.zeros(16, 3), torch.zeros(1, dtype=torch.int64)
                 out, res_out = fn(hidden, res, table, bank, staging, delta, fired)
                 results.append((out, res_out, staging, delta, fired))
             (out, res_out, staging, delta, fired), (ref, ref_res, _, ref_delta, _) = results
             x = hidden.float() if res is None else (hidden.float() + res.float()).to(hidden.dtype).float()
-            want = by_hand(x)
+            want, want_stats = by_hand(x)
             report[f"{dtype}-{'residual' if res is not None else 'plain'}"] = {
                 "unsteered_identical": torch.equal(out[unsteered], ref[unsteered]),
                 "unsteered_are_input": torch.equal(out[unsteered].float(), x[unsteered]),
@@ -75,7 +92,10 @@ CHECK = textwrap.dedent(
                 "staging_is_out": torch.equal(staging[:rows], out),
                 "staging_beyond_untouched": bool((staging[rows:] == 7.0).all()),
                 "residual_out": list(res_out.shape) == list(ref_res.shape) and not res_out.any().item(),
-                "norm_delta_error": (delta - ref_delta).abs().max().item(),
+                "norm_delta_error": (delta[:, 0] - ref_delta[:, 0]).abs().max().item(),
+                "feature_error": (delta[:, 1:] - ref_delta[:, 1:]).abs().max().item(),
+                "feature_by_hand_error": (ref_delta[:, 1:] - want_stats[:, 1:]).abs().max().item(),
+                "features_seen": [ref_delta[9, 1:].tolist(), ref_delta[10, 1:].tolist()],
                 "fired": fired.item(),
             }
     print(json.dumps(report))
@@ -96,12 +116,17 @@ CASES = ["float32-plain", "float32-residual", "bfloat16-plain"]
 
 @pytest.mark.parametrize("case", CASES)
 def test_kernel_and_reference_apply_each_op_as_written(report: dict[str, dict], case: str):
-    """Both against the ops written out by hand (add, scale, set, ablate, add then ablate), so
-    that a mistake the kernel shares with ``reference`` cannot pass."""
+    """Both against the ops written out by hand (add, scale, set, ablate, add then ablate, an SAE
+    feature clamped and one added, with the feature's activation before and after), so that a
+    mistake the kernel shares with ``reference`` cannot pass."""
     result = report[case]
     tolerance = 1e-5 if case.startswith("float32") else 1e-2  # bfloat16: one unit in the last place
     assert result["kernel_by_hand_error"] < tolerance
     assert result["reference_by_hand_error"] < tolerance
+    if case.startswith("float32"):
+        assert result["feature_by_hand_error"] < 1e-4
+        (clamped_before, clamped_after), (added_before, added_after) = result["features_seen"]
+        assert clamped_before != clamped_after and added_before != added_after, "the test must move both features"
     assert result["unsteered_are_input"], "rows with no steering must leave as they came in"
 
 
@@ -114,4 +139,5 @@ def test_kernel_matches_the_reference(report: dict[str, dict], case: str):
     assert result["staging_is_out"] and result["staging_beyond_untouched"]
     assert result["residual_out"], "the residual handed on must be zeros (or empty without a residual)"
     assert result["norm_delta_error"] < (1e-4 if float32 else 0.2)
+    assert result["feature_error"] < (1e-4 if float32 else 0.05)
     assert result["fired"] == 1

@@ -117,24 +117,32 @@ class Intervention(BaseModel):
     - ``set``:    coef * v (replaces the activation)
     - ``ablate``: h - coef * (h . u) u with u = v / |v| (coef 1 projects the direction out)
 
-    ``add`` takes, instead of a vector, a sparse autoencoder's feature: ``sae`` (a folder in
-    SAELens' format, trained on this hook point) and ``feature`` (its index): h + coef * W_dec[feature].
+    A sparse autoencoder's feature can stand in for the vector: ``sae`` (a folder in SAELens'
+    format, trained on this hook point) and ``feature`` (its index ``i``), with op
+
+    - ``add``:    h + coef * W_dec[i]
+    - ``clamp``:  h + (coef - f_i(h)) * W_dec[i], which sets the feature's activation f_i to coef
+      and keeps the SAE's reconstruction error (ReLU and JumpReLU SAEs: a TopK feature's
+      activation depends on every other feature)
+
+    The receipt of a feature intervention reports f_i before and after it, averaged over the
+    rows it steered.
     """
 
     model_config = ConfigDict(extra="forbid")
 
     hook: str = Field(description="Hook point, e.g. blocks.6.hook_resid_post")
-    op: Literal["add", "scale", "set", "ablate"] = "add"
+    op: Literal["add", "scale", "set", "ablate", "clamp"] = "add"
     vector: list[float] | str | None = Field(
         default=None,
         description=f"Inline numbers or a file (.safetensors, .npy, .pt) as 'path' or 'path:key'; "
         f"entries finite and within +-{MAX_VECTOR_ENTRY:g}",
     )
     sae: str | None = Field(
-        default=None, description="With op 'add': an SAE folder (cfg.json, sae_weights.safetensors)"
+        default=None, description="With op 'add' or 'clamp': an SAE folder (cfg.json, sae_weights.safetensors)"
     )
     feature: int | None = Field(
-        default=None, ge=0, le=MAX_FEATURE, strict=True, description=f"The SAE feature to add, 0..{MAX_FEATURE}"
+        default=None, ge=0, le=MAX_FEATURE, strict=True, description=f"The SAE feature to steer, 0..{MAX_FEATURE}"
     )
     coef: float = Field(default=1.0, description=f"Finite, within +-{MAX_COEF:g}")
     positions: PositionScope = Field(
@@ -167,8 +175,10 @@ class Intervention(BaseModel):
     def _needs_vector(self) -> Intervention:
         if (self.sae is None) != (self.feature is None):
             raise SpecError("sae, feature: steering by an SAE feature needs both the SAE folder and the feature index")
-        if self.sae is not None and (self.op != "add" or self.vector is not None):
-            raise SpecError(f"sae: an SAE feature is added with op 'add' and no vector (got op {self.op!r})")
+        if self.sae is not None and (self.op not in ("add", "clamp") or self.vector is not None):
+            raise SpecError(f"sae: an SAE feature is steered with op 'add' or 'clamp' and no vector (got op {self.op!r})")
+        if self.op == "clamp" and self.sae is None:
+            raise SpecError("op: 'clamp' sets an SAE feature's activation; give sae and feature")
         if self.op == "scale" and self.vector is not None:
             raise SpecError("vector: op 'scale' takes no vector (it multiplies by coef)")
         if self.op != "scale" and self.vector is None and self.sae is None:

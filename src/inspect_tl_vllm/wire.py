@@ -42,6 +42,15 @@ class Message(msgspec.Struct, forbid_unknown_fields=True):
         return msgspec.convert(raw, cls)
 
 
+class EncoderWire(Message):
+    """An SAE feature's encoder, for a feature intervention: f = act(x . u + bias), where act
+    keeps values above ``threshold`` (0 for ReLU, the JumpReLU threshold) and zeros the rest."""
+
+    vector: str  # content hash of the uploaded encoder column u
+    bias: float  # b_enc[i], less b_dec . u when the SAE subtracts b_dec from its input
+    threshold: float
+
+
 class SteerWire(Message):
     label: str  # "interventions[i] op at hook", for receipts and errors
     site: int
@@ -50,6 +59,17 @@ class SteerWire(Message):
     coef: float
     vector: str | None  # content hash of an uploaded vector
     positions: PositionsWire
+    encoder: EncoderWire | None = None  # a feature intervention's encoder (reported before/after; clamp)
+
+
+class FeaturesWire(Message):
+    """A capture of SAE features: the worker encodes the hook point's rows with the SAE at
+    ``sae`` (a folder it reads itself) and keeps the ``top_k`` largest, or the listed ``features``."""
+
+    sae: str
+    top_k: int
+    features: list[int] | None
+    reduce: str  # none | mean | max | last, over the captured rows in feature space
 
 
 class CaptureWire(Message):
@@ -59,6 +79,7 @@ class CaptureWire(Message):
     dtype: str
     max_bytes: int
     handoff: list[str] | None  # the front end's hand-off ticket, for per-token rows (handoff.py)
+    features: FeaturesWire | None = None
 
 
 class RequestWire(Message):
@@ -73,6 +94,8 @@ class InterventionReceipt(Message):
     rows: int
     mean_norm_change: float
     fired: bool
+    feature_before: float | None = None  # a feature intervention's mean SAE activation before it
+    feature_after: float | None = None  # ... and after it
 
 
 class Receipt(Message):

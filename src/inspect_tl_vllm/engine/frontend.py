@@ -23,8 +23,8 @@ from inspect_tl_vllm.engine.handoff import HandoffFolder
 from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, canonical_hook_point, layout_for
 from inspect_tl_vllm.specs import TAG, InstrumentConfig, RequestSpec, SpecError
 from inspect_tl_vllm.vectors.files import load_vector, vector_hash
-from inspect_tl_vllm.vectors.sae import feature_vector
-from inspect_tl_vllm.wire import CaptureWire, FetchedResult, Receipt, RequestWire, SteerWire, WorkerStatus
+from inspect_tl_vllm.vectors.sae import feature_steering
+from inspect_tl_vllm.wire import CaptureWire, EncoderWire, FetchedResult, Receipt, RequestWire, SteerWire, WorkerStatus
 
 
 class SteeringNotApplied(RuntimeError):
@@ -135,10 +135,21 @@ class Instrumentation:
             _check_reach(item.positions, prompt_len, max_tokens, f"{where}: interventions[{i}].positions")
             key = None
             vector: torch.Tensor | None = None
+            encoder = None
             if item.sae is not None and item.feature is not None:
-                vector = feature_vector(
-                    item.sae, item.feature, hook=item.hook, width=self.hidden_size, where=f"{where}: interventions[{i}]"
+                feature = feature_steering(
+                    item.sae,
+                    item.feature,
+                    op=item.op,
+                    hook=item.hook,
+                    width=self.hidden_size,
+                    where=f"{where}: interventions[{i}]",
                 )
+                vector = feature.decoder
+                if feature.encoder is not None:
+                    encoder_key = vector_hash(feature.encoder)
+                    vectors[encoder_key] = feature.encoder
+                    encoder = EncoderWire(vector=encoder_key, bias=feature.bias, threshold=feature.threshold)
             elif item.vector is not None:
                 vector = load_vector(item.vector, self.hidden_size, where=f"{where}: interventions[{i}].vector")
                 if item.op == "ablate":
@@ -158,6 +169,7 @@ class Instrumentation:
                     coef=item.coef,
                     vector=key,
                     positions=item.positions,
+                    encoder=encoder,
                 )
             )
         capture = None

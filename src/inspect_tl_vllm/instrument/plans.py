@@ -9,6 +9,7 @@ The numbers are copied back into these objects (``settle``) when results are rea
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -17,14 +18,16 @@ import numpy as np
 import torch
 
 from inspect_tl_vllm.instrument.pooling import MODES
+from inspect_tl_vllm.instrument.site_op import FEATURE_AFTER, FEATURE_BEFORE, NORM_CHANGE, ROW_STATS
 from inspect_tl_vllm.specs import CAPTURE_DTYPES, MAX_COEF, MAX_POSITION
 from inspect_tl_vllm.wire import InterventionReceipt, Receipt, RequestWire
 
-OP_STAGES = {  # op -> (mult, add, proj) as functions of coef
-    "add": lambda c: (1.0, c, 0.0),
-    "scale": lambda c: (c, 0.0, 0.0),
-    "set": lambda c: (0.0, c, 0.0),
-    "ablate": lambda c: (1.0, 0.0, c),
+OP_STAGES = {  # op -> (mult, add, proj, gate) as functions of coef (runtime.py: the stage math)
+    "add": lambda c: (1.0, c, 0.0, 0.0),
+    "scale": lambda c: (c, 0.0, 0.0, 0.0),
+    "set": lambda c: (0.0, c, 0.0, 0.0),
+    "ablate": lambda c: (1.0, 0.0, c, 0.0),
+    "clamp": lambda c: (1.0, c, 0.0, 1.0),
 }
 SCOPE_CODES = {"all": 0, "prompt": 1, "generated": 2, "listed": 3}
 
@@ -101,11 +104,12 @@ class SteerItem:
     label: str
     site: int
     stage: int
-    stage_row: np.ndarray  # (bank row, mult, add, proj) as written into the site's table
+    stage_row: np.ndarray  # its entry in the site's table (runtime.py), STAGE_WIDTH numbers
     scope: Scope
+    feature: bool = False  # an SAE feature's intervention: its receipt reports the feature's activation
     slot: int = -1  # the router's counter slot while the request is live
     rows: int = 0
-    norm_delta_sum: float = 0.0
+    sums: np.ndarray = field(default_factory=lambda: np.zeros(ROW_STATS))  # row_stats summed over its rows
     fired: bool = True
 
 
@@ -170,10 +174,13 @@ class RequestState:
                     index=s.index,
                     label=s.label,
                     rows=s.rows,
-                    mean_norm_change=(s.norm_delta_sum / s.rows) if s.rows else 0.0,
+                    mean_norm_change=mean[NORM_CHANGE],
                     fired=s.fired,
+                    feature_before=mean[FEATURE_BEFORE] if s.feature else None,
+                    feature_after=mean[FEATURE_AFTER] if s.feature else None,
                 )
                 for s in self.steer
+                for mean in [(s.sums / s.rows).tolist() if s.rows else [0.0] * ROW_STATS]
             ],
             captures={c.hook: self.captured_rows(c) for c in self.capture},
             error=self.error,
@@ -243,14 +250,34 @@ def plan_request(
             raise ValueError(f"steering item {index}: unknown op {item.op!r}")
         if not abs(item.coef) <= MAX_COEF:
             raise ValueError(f"steering item {index}: coef {item.coef} is not within +-{MAX_COEF:g}")
-        if item.vector is not None and item.vector not in bank_rows:
-            raise KeyError(f"vector {item.vector} was not uploaded to this worker")
+        encoder = item.encoder
+        if (encoder is None and item.op == "clamp") or (encoder is not None and item.op not in ("add", "clamp")):
+            raise ValueError(f"steering item {index}: only 'clamp' needs an SAE encoder, and only it and 'add' take one")
+        for key in (item.vector, encoder.vector if encoder is not None else None):
+            if key is not None and key not in bank_rows:
+                raise KeyError(f"vector {key} was not uploaded to this worker")
+        feature = (0.0, 0.0, 0.0)
+        if encoder is not None:
+            if not (math.isfinite(encoder.bias) and math.isfinite(encoder.threshold)):
+                raise ValueError(f"steering item {index}: encoder bias and threshold must be finite")
+            feature = (bank_rows[encoder.vector], encoder.bias, encoder.threshold)
         scope = Scope.resolve(item.positions, prompt_len)
         if not owned(site):
             continue
         bank_row = bank_rows[item.vector] if item.vector is not None else 0
-        stage_row = np.array([bank_row, *OP_STAGES[item.op](item.coef)], dtype=np.float32)
-        steer.append(SteerItem(index=index, label=item.label, site=site, stage=stage, stage_row=stage_row, scope=scope))
+        mult, add, proj, gate = OP_STAGES[item.op](item.coef)
+        stage_row = np.array([bank_row, mult, add, proj, *feature, gate], dtype=np.float32)
+        steer.append(
+            SteerItem(
+                index=index,
+                label=item.label,
+                site=site,
+                stage=stage,
+                stage_row=stage_row,
+                scope=scope,
+                feature=encoder is not None,
+            )
+        )
     state = RequestState(uid=wire.uid, prompt_len=prompt_len, steer=steer, capture=[])
     cap = wire.capture
     if cap is not None:

@@ -36,6 +36,7 @@ from inspect_tl_vllm.instrument.plans import SCOPE_CODES, RequestState, scopes_c
 from inspect_tl_vllm.instrument.pooled_captures import PooledCaptures, PooledReads
 from inspect_tl_vllm.instrument.pooling import MODES
 from inspect_tl_vllm.instrument.runtime import IDENTITY_STAGE, HookRuntime
+from inspect_tl_vllm.instrument.site_op import STAGE_WIDTH
 from inspect_tl_vllm.instrument.slots import Layout, Slots
 from inspect_tl_vllm.instrument.steering_receipts import ReceiptReads, SteeringReceipts
 
@@ -76,7 +77,7 @@ class StepRouter:
         self.sites = sorted(runtime.sites)
         self.table_of_site = {site: j for j, site in enumerate(self.sites)}
         first = next(iter(runtime.sites.values()), None)
-        shape = (len(self.sites), *(first.table.shape if first is not None else (0, 0, 4)))
+        shape = (len(self.sites), *(first.table.shape if first is not None else (0, 0, STAGE_WIDTH)))
         self.host = torch.tensor(IDENTITY_STAGE).repeat(*shape[:-1], 1)
         if self.cuda:
             self.host = self.host.pin_memory()

@@ -11,16 +11,20 @@ inputs and no per-layer constant, so vLLM compiles one layer's piece and reuses 
 others (a site number baked into the graph made compile time grow with the site count).
 
 Per token row ``t`` the hook at a site applies ``max_stack`` stages, with
-``table[t, k] = (bank row, mult, add, proj)``::
+``table[t, k] = (bank row, mult, add, proj, encoder row, bias, threshold, gate)``::
 
     v = bank[table[t, k, 0]]
-    x = x * mult + add * v - proj * (x . v) v
+    u = bank[table[t, k, 4]]                      # an SAE encoder column; row 0 (zeros) if none
+    f = x . u + bias if x . u + bias > threshold else 0   # the SAE feature's activation
+    x = x * mult + (add - proj * (x . v) - gate * f) v
 
-Row 0 of the bank is zeros and the defaults (mult 1, add 0, proj 0) make a stage an exact
-no-op, so unsteered rows pass through bit for bit.  The result is then copied into the
-site's ``staging`` (captures are read from there after the step), the change in L2 norm per
-row goes to ``norm_delta`` (steering receipts), and ``fired`` counts executions (the loud
-check that a hook really runs inside the compiled graph).  ``site_op.py`` holds that math, as
+So ``add``/``scale``/``set``/``ablate`` are (add, mult, add, proj) choices with no encoder row,
+and an SAE feature's ``clamp`` to c is (v = W_dec[i], u = W_enc[:, i], add c, gate 1).  Row 0 of
+the bank is zeros and the defaults (mult 1, everything else 0) make a stage an exact no-op, so
+unsteered rows pass through bit for bit.  The result is then copied into the site's
+``staging`` (captures are read from there after the step), each row's change in L2 norm and a
+feature stage's f before and after go to ``row_stats`` (steering receipts), and ``fired``
+counts executions (the loud check that a hook really runs inside the compiled graph).  ``site_op.py`` holds that math, as
 one operator that is a single Triton kernel on CUDA.
 """
 
@@ -34,8 +38,9 @@ from torch import nn
 
 from inspect_tl_vllm.instrument import site_op  # noqa: F401  (registers torch.ops.tlvllm.site_hook)
 from inspect_tl_vllm.instrument.hookpoints import Site
+from inspect_tl_vllm.instrument.site_op import ROW_STATS
 
-IDENTITY_STAGE = (0.0, 1.0, 0.0, 0.0)
+IDENTITY_STAGE = (0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 class SiteBuffers:
@@ -44,11 +49,11 @@ class SiteBuffers:
     def __init__(self, *, max_tokens: int, max_stack: int, hidden_size: int, device: torch.device, act_dtype: Any):
         self.table = torch.tensor(IDENTITY_STAGE, device=device).repeat(max_tokens, max_stack, 1)
         self.staging = torch.zeros(max_tokens, hidden_size, dtype=act_dtype, device=device)
-        self.norm_delta = torch.zeros(max_tokens, dtype=torch.float32, device=device)
+        self.row_stats = torch.zeros(max_tokens, ROW_STATS, dtype=torch.float32, device=device)
         self.fired = torch.zeros(1, dtype=torch.int64, device=device)
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return (self.table, self.staging, self.norm_delta, self.fired)
+        return (self.table, self.staging, self.row_stats, self.fired)
 
 
 class HookRuntime:
@@ -85,7 +90,7 @@ class HookRuntime:
         With ``residual`` the site sees ``hidden + residual`` and returns ``(stream, zeros)``
         for the next fused add-norm; without it, the stream alone."""
         out, residual_out = torch.ops.tlvllm.site_hook(
-            hidden, residual, buffers.table, self.bank, buffers.staging, buffers.norm_delta, buffers.fired
+            hidden, residual, buffers.table, self.bank, buffers.staging, buffers.row_stats, buffers.fired
         )
         return out if residual is None else (out, residual_out)
 

@@ -11,7 +11,7 @@ Everywhere else (CPU, or ``TLVLLM_FUSED_HOOK=0``) the operator runs ``reference`
 math in torch ops; the GPU check compares the two (``bench/gpu_check.py``).
 
 The operator is opaque to torch.compile: it declares which buffers it writes (``staging``,
-``norm_delta``, ``fired``), so Inductor keeps it in place and orders it; its outputs are new
+``row_stats``, ``fired``), so Inductor keeps it in place and orders it; its outputs are new
 tensors.  ``residual`` is the second half of vLLM's folded residual stream: when given, the
 hook sees ``hidden + residual`` rounded to the activation dtype (what the next fused
 add-norm would have computed) and returns zeros for the residual.
@@ -24,7 +24,13 @@ import os
 import torch
 from torch import Tensor
 
-ROW, MULT, ADD, PROJ = 0, 1, 2, 3
+ROW, MULT, ADD, PROJ, ENC, BIAS, THRESH, GATE = range(8)
+STAGE_WIDTH = 8
+"""The entries of one stage in a site's table (``runtime.py`` says what each means)."""
+NORM_CHANGE, FEATURE_BEFORE, FEATURE_AFTER = range(3)
+ROW_STATS = 3
+"""What the hook records per token row in ``row_stats``: the change in L2 norm, and a feature
+stage's SAE feature activation before and after it (zeros without one)."""
 FUSED = os.environ.get("TLVLLM_FUSED_HOOK", "1") != "0"
 
 
@@ -34,7 +40,7 @@ def reference(
     table: Tensor,
     bank: Tensor,
     staging: Tensor,
-    norm_delta: Tensor,
+    row_stats: Tensor,
     fired: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """The hook math in torch ops; see ``runtime.py`` for what the table holds."""
@@ -43,15 +49,27 @@ def reference(
     x = stream.float()
     before = torch.linalg.vector_norm(x, dim=-1)
     table = table[:rows]
+    feature_before = torch.zeros(rows, 1, device=x.device)
+    feature_after = torch.zeros(rows, 1, device=x.device)
     for stage in range(table.shape[1]):
-        v = bank[table[:, stage, ROW].long()]
+        entry = table[:, stage]
+        v = bank[entry[:, ROW].long()]
+        u = bank[entry[:, ENC].long()]
+        mult, add, proj = entry[:, MULT : MULT + 1], entry[:, ADD : ADD + 1], entry[:, PROJ : PROJ + 1]
+        bias, thresh, gate = entry[:, BIAS : BIAS + 1], entry[:, THRESH : THRESH + 1], entry[:, GATE : GATE + 1]
         dot = (x * v).sum(dim=-1, keepdim=True)
-        mult = table[:, stage, MULT : MULT + 1]
-        add = table[:, stage, ADD : ADD + 1]
-        proj = table[:, stage, PROJ : PROJ + 1]
-        x = x * mult + add * v - proj * dot * v
+        xu = (x * u).sum(dim=-1, keepdim=True)
+        pre = xu + bias
+        f = torch.where(pre > thresh, pre, 0.0)
+        coef = add - proj * dot - gate * f
+        pre_after = mult * xu + coef * (v * u).sum(dim=-1, keepdim=True) + bias
+        feature = entry[:, ENC : ENC + 1] != 0
+        feature_before = torch.where(feature, f, feature_before)
+        feature_after = torch.where(feature, torch.where(pre_after > thresh, pre_after, 0.0), feature_after)
+        x = x * mult + coef * v
     out = x.to(hidden.dtype)
-    norm_delta[:rows].copy_(torch.linalg.vector_norm(out.float(), dim=-1) - before)
+    norm_change = (torch.linalg.vector_norm(out.float(), dim=-1) - before).unsqueeze(1)
+    row_stats[:rows].copy_(torch.cat([norm_change, feature_before, feature_after], dim=1))
     staging[:rows].copy_(out)
     fired.add_(1)
     return out, _residual_out(hidden, residual)
@@ -61,29 +79,29 @@ def _residual_out(hidden: Tensor, residual: Tensor | None) -> Tensor:
     return torch.zeros_like(hidden) if residual is not None else hidden.new_empty((0, hidden.shape[1]))
 
 
-@torch.library.custom_op("tlvllm::site_hook", mutates_args=("staging", "norm_delta", "fired"))
+@torch.library.custom_op("tlvllm::site_hook", mutates_args=("staging", "row_stats", "fired"))
 def site_hook(
     hidden: Tensor,
     residual: Tensor | None,
     table: Tensor,
     bank: Tensor,
     staging: Tensor,
-    norm_delta: Tensor,
+    row_stats: Tensor,
     fired: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """Steer, record and count one site's rows; returns (stream out, residual out)."""
-    return reference(hidden, residual, table, bank, staging, norm_delta, fired)
+    return reference(hidden, residual, table, bank, staging, row_stats, fired)
 
 
 @site_hook.register_fake
-def _(hidden, residual, table, bank, staging, norm_delta, fired):  # noqa: ANN001, ANN202
+def _(hidden, residual, table, bank, staging, row_stats, fired):  # noqa: ANN001, ANN202
     return torch.empty_like(hidden), _residual_out(hidden, residual)
 
 
 @site_hook.register_kernel("cuda")
-def _(hidden, residual, table, bank, staging, norm_delta, fired):  # noqa: ANN001, ANN202
+def _(hidden, residual, table, bank, staging, row_stats, fired):  # noqa: ANN001, ANN202
     if not FUSED:
-        return reference(hidden, residual, table, bank, staging, norm_delta, fired)
+        return reference(hidden, residual, table, bank, staging, row_stats, fired)
     from inspect_tl_vllm.instrument.site_kernel import launch
 
-    return launch(hidden, residual, table, bank, staging, norm_delta, fired)
+    return launch(hidden, residual, table, bank, staging, row_stats, fired)

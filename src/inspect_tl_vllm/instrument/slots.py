@@ -17,6 +17,7 @@ import numpy as np
 
 from inspect_tl_vllm.instrument.plans import RequestState, SteerItem
 from inspect_tl_vllm.instrument.pooling import MODES
+from inspect_tl_vllm.instrument.site_op import STAGE_WIDTH
 
 
 class Slots:
@@ -63,7 +64,7 @@ class Layout:
     s_site: np.ndarray
     s_table: np.ndarray  # index of the site's host table
     s_stage: np.ndarray
-    s_row: np.ndarray  # (n, 4) stage parameters
+    s_row: np.ndarray  # (n, STAGE_WIDTH) stage parameters
     s_kind: np.ndarray
     s_items: list[SteerItem]
     s_listed: list[int]  # item indices whose scope lists positions
@@ -95,7 +96,7 @@ class Layout:
             s_site=np.array([item.site for _, item in steer], dtype=np.int64),
             s_table=np.array([table_of_site[item.site] for _, item in steer], dtype=np.int64),
             s_stage=np.array([item.stage for _, item in steer], dtype=np.int64),
-            s_row=np.array([item.stage_row for _, item in steer], dtype=np.float32).reshape(-1, 4),
+            s_row=np.array([item.stage_row for _, item in steer], dtype=np.float32).reshape(-1, STAGE_WIDTH),
             s_kind=np.array([item.scope.code for _, item in steer], dtype=np.int64),
             s_items=[item for _, item in steer],
             s_listed=[m for m, (_, item) in enumerate(steer) if item.scope.kind == "listed"],

@@ -1,9 +1,10 @@
 """The step router's side of steering receipts: rows counted on the host, sums on the device.
 
-A receipt says how many token rows a steering item steered, their mean change in L2 norm,
+A receipt says how many token rows a steering item steered, their mean change in L2 norm
+(and, for an SAE feature's intervention, the feature's mean activation before and after it),
 and whether its site's hook ran while the request was live.  Each steering item gets an
 integer slot while it is live.  Row counts are known on the host and kept in an array under
-that slot; the norm changes and the site's ``fired`` count at admission stay on the device
+that slot; the rows' stats (``row_stats``) and the site's ``fired`` count at admission stay on the device
 (``ReceiptAccumulators``), added to with one index kernel per site and step, so that no step waits
 for the device.  They are read back, one read for all items, when requests retire or their
 results are fetched, and settled into the steering items.
@@ -20,42 +21,42 @@ import torch
 from inspect_tl_vllm.instrument.plans import SteerItem
 from inspect_tl_vllm.instrument.pooling import device_index
 from inspect_tl_vllm.instrument.runtime import HookRuntime
+from inspect_tl_vllm.instrument.site_op import ROW_STATS
 from inspect_tl_vllm.instrument.slots import Slots
 
 
 class ReceiptAccumulators:
-    """Per steering-item slot: the sum of norm changes, and the site's ``fired`` count at admission."""
+    """Per steering-item slot: the sums of its rows' stats, and the site's ``fired`` count at admission."""
 
     def __init__(self, device: torch.device, capacity: int = 64) -> None:
         self.device = device
-        self.norm_sum = torch.zeros(capacity, dtype=torch.float64, device=device)
+        self.stat_sums = torch.zeros(capacity, ROW_STATS, dtype=torch.float64, device=device)
         self.fired_at_admission = torch.zeros(capacity, dtype=torch.int64, device=device)
 
     def ensure(self, slots: int) -> None:
         """Grow (doubling) so that ``slots`` fit; existing values are kept."""
-        size = self.norm_sum.shape[0]
+        size = self.stat_sums.shape[0]
         if slots <= size:
             return
         grown = max(slots, 2 * size)
-        norm = torch.zeros(grown, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(grown, ROW_STATS, dtype=torch.float64, device=self.device)
         fired = torch.zeros(grown, dtype=torch.int64, device=self.device)
-        norm[:size] = self.norm_sum
+        sums[:size] = self.stat_sums
         fired[:size] = self.fired_at_admission
-        self.norm_sum, self.fired_at_admission = norm, fired
+        self.stat_sums, self.fired_at_admission = sums, fired
 
     def admit(self, slots: torch.Tensor, fired: torch.Tensor) -> None:
         """Start the items of ``slots``; ``fired`` holds each one's site counter now."""
-        self.norm_sum.index_fill_(0, slots, 0.0)
+        self.stat_sums.index_fill_(0, slots, 0.0)
         self.fired_at_admission.index_copy_(0, slots, fired)
 
-    def add(self, slots: torch.Tensor, deltas: torch.Tensor) -> None:
-        self.norm_sum.index_add_(0, slots, deltas.to(torch.float64))
+    def add(self, slots: torch.Tensor, stats: torch.Tensor) -> None:
+        self.stat_sums.index_add_(0, slots, stats.to(torch.float64))
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
-        """Per slot ``(norm sum, fired at admission)`` as float64 rows."""
-        return torch.stack(
-            [self.norm_sum.index_select(0, slots), self.fired_at_admission.index_select(0, slots).double()], 1
-        )
+        """Per slot ``(stat sums..., fired at admission)`` as float64 rows."""
+        fired = self.fired_at_admission.index_select(0, slots).double().unsqueeze(1)
+        return torch.cat([self.stat_sums.index_select(0, slots), fired], 1)
 
 
 @dataclass
@@ -63,12 +64,12 @@ class ReceiptReads:
     """Receipt sums of some steering-item slots (sorted), and every site's ``fired`` count."""
 
     slots: np.ndarray
-    sums: torch.Tensor  # per slot: norm sum, fired at admission
+    sums: torch.Tensor  # per slot: stat sums (ROW_STATS of them), fired at admission
     fired: torch.Tensor  # per site table index
 
 
 class SteeringReceipts:
-    """Per steering-item slot: steered rows counted (host), norm change sums and ``fired`` at admission (device).
+    """Per steering-item slot: steered rows counted (host), row-stat sums and ``fired`` at admission (device).
 
     ``sites`` lists the site indices in the router's table order.  Without ``collect`` items
     get slots (the routing tables need them) but nothing is summed on the device.
@@ -106,14 +107,14 @@ class SteeringReceipts:
 
     def add(self, slots: np.ndarray, site_of: np.ndarray, rows: np.ndarray) -> None:
         """Count a step's steered rows (``rows[i]`` steered by the item of ``slots[i]`` at
-        ``site_of[i]``) and add their norm changes on the device, one kernel per site."""
+        ``site_of[i]``) and add their stats on the device, one kernel per site."""
         sites = self.runtime.sites
         np.add.at(self.items["rows"], slots, 1)
         for site in np.unique(site_of).tolist():
             mine = site_of == site
             n = int(np.count_nonzero(mine))
             index = device_index(np.concatenate([slots[mine], rows[mine]]), self.runtime.device, self.cuda)
-            self.sums.add(index[:n], sites[site].norm_delta.index_select(0, index[n:]))
+            self.sums.add(index[:n], sites[site].row_stats.index_select(0, index[n:]))
 
     def read(self, items: list[SteerItem], to_host: Callable[[torch.Tensor], torch.Tensor]) -> ReceiptReads | None:
         """The receipt sums of ``items`` and the sites' ``fired`` counts, copied by ``to_host``."""
@@ -129,8 +130,8 @@ class SteeringReceipts:
         for item in items:
             item.rows = int(self.items["rows"][item.slot])
             if reads is not None:
-                norm_sum, fired_then = reads.sums.numpy()[int(np.searchsorted(reads.slots, item.slot))]
-                item.norm_delta_sum = float(norm_sum)
+                *sums, fired_then = reads.sums.numpy()[int(np.searchsorted(reads.slots, item.slot))]
+                item.sums = np.array(sums)
                 item.fired = int(reads.fired.numpy()[self.table_of_site[item.site]]) > int(fired_then)
 
     def free(self, items: list[SteerItem]) -> None:

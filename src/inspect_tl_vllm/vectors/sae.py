@@ -160,9 +160,22 @@ def _read(folder: str, where: str) -> SparseAutoencoder:
     )
 
 
-def feature_vector(path: str, feature: int, *, hook: str, width: int, where: str) -> torch.Tensor:
-    """The decoder row that steering by ``feature`` adds at ``hook``, checked against the SAE's own
-    hook point and the model's hidden size."""
+@dataclass(frozen=True)
+class FeatureSteering:
+    """What steering by one feature needs: the decoder row it moves along, and (for ReLU and
+    JumpReLU SAEs) the feature's own encoder, f = act(x . encoder + bias) with act keeping values
+    above ``threshold``, so that the hook can clamp it and report it before and after."""
+
+    decoder: torch.Tensor
+    encoder: torch.Tensor | None
+    bias: float
+    threshold: float
+
+
+def feature_steering(path: str, feature: int, *, op: str, hook: str, width: int, where: str) -> FeatureSteering:
+    """Feature ``feature`` of the SAE at ``path``, checked against its own hook point, the model's
+    hidden size and the op (``clamp`` needs the feature's activation on its own, which a TopK SAE
+    does not define)."""
     sae = load_sae(path, f"{where}.sae")
     if sae.hook != hook:
         raise SpecError(
@@ -173,4 +186,17 @@ def feature_vector(path: str, feature: int, *, hook: str, width: int, where: str
             f"{where}: the SAE at {sae.path} reads {sae.d_in}-wide activations but the model's hidden size is {width}; "
             "was it trained on another model?"
         )
-    return sae.decoder_row(feature, f"{where}.feature")
+    decoder = sae.decoder_row(feature, f"{where}.feature")
+    if sae.architecture == "topk":
+        if op == "clamp":
+            raise SpecError(
+                f"{where}.op: a TopK SAE's feature activation depends on every other feature, so it cannot be "
+                f"clamped alone; use op 'add' with {sae.path}, or a ReLU or JumpReLU SAE"
+            )
+        return FeatureSteering(decoder, None, 0.0, 0.0)
+    encoder = sae.W_enc[:, feature].contiguous()
+    bias = float(sae.b_enc[feature])
+    if sae.apply_b_dec_to_input:
+        bias -= float(sae.b_dec.double() @ encoder.double())
+    threshold = max(float(sae.threshold[feature]), 0.0) if sae.threshold is not None else 0.0
+    return FeatureSteering(decoder, encoder, bias, threshold)
