@@ -181,3 +181,80 @@ def test_clamping_a_feature_sets_it_through_the_decoder_and_the_receipt_reports_
     topk = {**clamp, "sae": str(tmp_path / "topk")}
     with pytest.raises(SpecError, match="TopK SAE's feature activation depends on every other feature"):
         tiny_engine.generate(prompt, specs=[{"interventions": [topk]}], max_tokens=2)
+
+
+@pytest.mark.engine
+def test_feature_capture_is_sae_lens_encode_kept_sparse(tiny_engine, tmp_path):
+    """``capture: {sae, top_k, reduce}`` returns each row's top-k features as sae-lens encodes the
+    rows the engine computed, per token or reduced in feature space (mean, max, last), or just
+    the listed features; ``densify`` turns them back into dense rows.  Bad fields fail by name."""
+    from inspect_tl_vllm.specs import sae_keys
+    from inspect_tl_vllm.vectors.sae import densify
+
+    reference = saved_sae(tmp_path / "sae", "jumprelu")
+    sae_dir = str(tmp_path / "sae")
+    prompt = ["Once upon a time there was a"]
+    indices_key, values_key = sae_keys(HOOK)
+    specs = [
+        {"capture": {"hooks": [HOOK], "reduce": "none"}},
+        {"capture": {"sae": sae_dir, "top_k": 5}},
+        {"capture": {"sae": sae_dir, "top_k": 5, "reduce": "mean"}},
+        {"capture": {"sae": sae_dir, "features": [3, 200, 17], "reduce": "max"}},
+        {"capture": {"sae": sae_dir, "hooks": [HOOK], "top_k": 4, "reduce": "last", "dtype": "bfloat16"}},
+    ]
+    raw, top, mean, listed, last = tiny_engine.generate(prompt * len(specs), specs=specs, max_tokens=5)
+    acts = reference.encode(raw.activations[HOOK]).detach()
+    assert set(top.activations) == {indices_key, values_key}
+    indices, values = top.activations[indices_key], top.activations[values_key]
+    assert indices.dtype == torch.int32 and tuple(values.shape) == (acts.shape[0], 5)
+    assert top.positions[values_key] == raw.positions[HOOK]
+    expected_values, expected_indices = acts.topk(5, dim=-1)
+    assert torch.allclose(values, expected_values, rtol=1e-4, atol=1e-5)
+    assert torch.equal(densify(indices, values, 256) != 0, densify(expected_indices, expected_values, 256) != 0)
+    mean_values, mean_indices = acts.mean(0, keepdim=True).topk(5, dim=-1)
+    assert torch.equal(mean.activations[indices_key], mean_indices.int())
+    assert torch.allclose(mean.activations[values_key], mean_values, rtol=1e-4, atol=1e-5)
+    assert listed.activations[indices_key].tolist() == [[3, 200, 17]]
+    assert torch.allclose(listed.activations[values_key], acts[:, [3, 200, 17]].amax(0, keepdim=True), atol=1e-5)
+    assert last.activations[values_key].dtype == torch.bfloat16
+    last_values, _ = acts[-1:].topk(4, dim=-1)
+    assert torch.allclose(last.activations[values_key].float(), last_values, rtol=1e-2)
+    assert (mean.activations[values_key] > 0).all(), "features fire: the comparison is not of zeros"
+
+    for capture, fragment in [
+        ({"sae": sae_dir, "top_k": 300}, "top_k: 300 is more than the SAE's 256 features"),
+        ({"sae": sae_dir, "features": [1, 256]}, r"features: \[256\] out of range"),
+        ({"sae": sae_dir, "hooks": ["blocks.0.hook_resid_post"]}, "reads 'blocks.1.hook_resid_post', not"),
+    ]:
+        with pytest.raises(SpecError, match=fragment):
+            tiny_engine.generate(prompt, specs=[{"capture": capture}], max_tokens=2)
+
+
+@pytest.mark.parametrize(
+    ("capture", "fragment"),
+    [
+        ({"hooks": [HOOK], "top_k": 4}, "top_k: only an SAE capture takes these"),
+        ({"hooks": [HOOK], "reduce": "max"}, "'max' is per SAE feature"),
+        ({}, "name at least one hook point"),
+        ({"sae": "x", "reduce": "max_norm"}, "reduces per feature"),
+        ({"sae": "x", "hooks": [HOOK, "blocks.0.hook_resid_post"]}, "name it alone"),
+        ({"sae": "x", "features": [1, 1]}, "each feature once"),
+        ({"sae": "x", "features": []}, "features"),
+        ({"sae": "x", "top_k": 0}, "top_k"),
+        ({"sae": "x", "top_k": 4097}, "top_k"),
+    ],
+)
+def test_feature_capture_specs_are_checked(capture, fragment):
+    with pytest.raises(SpecError, match=fragment):
+        parse_request_spec({"capture": capture})
+
+
+def test_densify_checks_its_input():
+    from inspect_tl_vllm.vectors.sae import densify
+
+    dense = densify(torch.tensor([[2, 0]], dtype=torch.int32), torch.tensor([[1.5, 0.5]]), 4)
+    assert dense.tolist() == [[0.5, 0.0, 1.5, 0.0]]
+    with pytest.raises(ValueError, match="outside 0..3"):
+        densify(torch.tensor([[4]]), torch.tensor([[1.0]]), 4)
+    with pytest.raises(ValueError, match="must be"):
+        densify(torch.tensor([1]), torch.tensor([1.0]), 4)

@@ -36,6 +36,8 @@ size below 1e14 in float32 and bfloat16 engines.  A float16 engine overflows soo
 engine's receipts catch that: a non-finite result fails the request."""
 MAX_FEATURE = 2**24 - 1
 """The largest SAE feature index (and d_sae) accepted: 16.7M features, past any released SAE."""
+MAX_TOP_K = 4096
+"""The most SAE features an SAE capture keeps per row."""
 
 CaptureDtype = Literal["float32", "bfloat16", "float16"]
 CAPTURE_DTYPES: tuple[str, ...] = get_args(CaptureDtype)
@@ -45,6 +47,23 @@ TAG = "tlvllm"
 """tl-vllm's key wherever its data rides in someone else's dict: a request's spec in
 ``SamplingParams.extra_args``, the instrumentation settings in vLLM's ``additional_config``,
 a sample's spec in ``Sample.metadata`` and its record in ``ModelOutput.metadata``."""
+
+
+SAE_INDICES, SAE_VALUES = ".sae_indices", ".sae_values"
+"""An SAE capture at hook point H comes back (and is stored) as tensors ``H.sae_indices`` and ``H.sae_values``."""
+
+
+def sae_keys(hook: str) -> tuple[str, str]:
+    """The names of an SAE capture's two tensors at ``hook``."""
+    return hook + SAE_INDICES, hook + SAE_VALUES
+
+
+def hook_of_key(key: str) -> str:
+    """The hook point a captured tensor's name belongs to (an SAE capture's tensors end in a suffix)."""
+    for suffix in (SAE_INDICES, SAE_VALUES):
+        if key.endswith(suffix):
+            return key[: -len(suffix)]
+    return key
 
 
 class SpecError(ValueError):
@@ -176,7 +195,9 @@ class Intervention(BaseModel):
         if (self.sae is None) != (self.feature is None):
             raise SpecError("sae, feature: steering by an SAE feature needs both the SAE folder and the feature index")
         if self.sae is not None and (self.op not in ("add", "clamp") or self.vector is not None):
-            raise SpecError(f"sae: an SAE feature is steered with op 'add' or 'clamp' and no vector (got op {self.op!r})")
+            raise SpecError(
+                f"sae: an SAE feature is steered with op 'add' or 'clamp' and no vector (got op {self.op!r})"
+            )
         if self.op == "clamp" and self.sae is None:
             raise SpecError("op: 'clamp' sets an SAE feature's activation; give sae and feature")
         if self.op == "scale" and self.vector is not None:
@@ -187,17 +208,38 @@ class Intervention(BaseModel):
 
 
 class Capture(BaseModel):
-    """Which activations to bring back for a request, and how to reduce them."""
+    """Which activations to bring back for a request, and how to reduce them.
+
+    With ``sae`` (a folder in SAELens' format) the capture brings back that SAE's feature
+    activations at its hook point instead of the rows themselves: encoded in the worker, on its
+    device, and kept sparse, as ``<hook>.sae_indices`` (int32) and ``<hook>.sae_values`` with
+    the ``top_k`` largest features per row, or the listed ``features`` only.  ``reduce`` then
+    works in feature space (``mean``, ``max`` per feature, ``last``) before the top ``top_k``
+    are kept, so a pooled row is exact.
+    """
 
     model_config = ConfigDict(extra="forbid")
 
-    hooks: list[str] = Field(min_length=1, description="Hook points to record")
+    hooks: list[str] = Field(
+        default_factory=list, description="Hook points to record (with sae: omit, or name the SAE's own)"
+    )
     positions: PositionScope = "all"
-    reduce: Literal["none", "mean", "last", "max_norm"] = Field(
+    reduce: Literal["none", "mean", "last", "max_norm", "max"] = Field(
         default="none",
-        description="none: one row per token; mean / last / max_norm (row of largest L2 norm): one row per sample",
+        description="none: one row per token; mean / last / max_norm (row of largest L2 norm): one row per "
+        "sample; with sae: none, mean, last or max (per feature)",
     )
     dtype: CaptureDtype = "float32"
+    sae: str | None = Field(default=None, description="An SAE folder (cfg.json, sae_weights.safetensors)")
+    top_k: Annotated[int, Field(ge=1, le=MAX_TOP_K, strict=True)] = Field(
+        default=32, description=f"With sae: how many of the largest features each row keeps, 1..{MAX_TOP_K}"
+    )
+    features: list[Annotated[int, Field(ge=0, le=MAX_FEATURE, strict=True)]] | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_TOP_K,
+        description=f"With sae: keep these features (up to {MAX_TOP_K}) instead of the top_k",
+    )
 
     @field_validator("hooks")
     @classmethod
@@ -207,6 +249,25 @@ class Capture(BaseModel):
         if len(set(value)) != len(value):
             raise SpecError(f"hooks: duplicate hook points in {value}")
         return value
+
+    @model_validator(mode="after")
+    def _sae_fields(self) -> Capture:
+        if self.sae is None:
+            if not self.hooks:
+                raise SpecError("hooks: name at least one hook point to capture (or give sae to capture its features)")
+            extra = sorted({"top_k", "features"} & self.model_fields_set)
+            if extra:
+                raise SpecError(f"{', '.join(extra)}: only an SAE capture takes these; give sae")
+            if self.reduce == "max":
+                raise SpecError("reduce: 'max' is per SAE feature (give sae); for rows use 'max_norm'")
+            return self
+        if len(self.hooks) > 1:
+            raise SpecError("hooks: an SAE capture reads its SAE's own hook point; name it alone, or omit hooks")
+        if self.reduce == "max_norm":
+            raise SpecError("reduce: an SAE capture reduces per feature: none, mean, last or max")
+        if self.features is not None and len(set(self.features)) != len(self.features):
+            raise SpecError("features: each feature once")
+        return self
 
 
 class RequestSpec(BaseModel):

@@ -21,10 +21,19 @@ import torch
 
 from inspect_tl_vllm.engine.handoff import HandoffFolder
 from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, canonical_hook_point, layout_for
-from inspect_tl_vllm.specs import TAG, InstrumentConfig, RequestSpec, SpecError
+from inspect_tl_vllm.specs import TAG, Capture, InstrumentConfig, RequestSpec, SpecError, hook_of_key
 from inspect_tl_vllm.vectors.files import load_vector, vector_hash
-from inspect_tl_vllm.vectors.sae import feature_steering
-from inspect_tl_vllm.wire import CaptureWire, EncoderWire, FetchedResult, Receipt, RequestWire, SteerWire, WorkerStatus
+from inspect_tl_vllm.vectors.sae import feature_steering, load_sae
+from inspect_tl_vllm.wire import (
+    CaptureWire,
+    EncoderWire,
+    FeaturesWire,
+    FetchedResult,
+    Receipt,
+    RequestWire,
+    SteerWire,
+    WorkerStatus,
+)
 
 
 class SteeringNotApplied(RuntimeError):
@@ -58,6 +67,11 @@ class CaptureResult:
     receipt: dict[str, Any]
     activations: dict[str, torch.Tensor] = field(default_factory=dict)
     positions: dict[str, list[int]] = field(default_factory=dict)
+
+    def tokens(self) -> dict[str, int]:
+        """How many token rows each returned tensor stands for (before any reduction)."""
+        captured = self.receipt.get("captures", {})
+        return {key: captured.get(hook_of_key(key), 0) for key in self.activations}
 
     def check(self, where: str = "request") -> None:
         """Raise unless every requested intervention and capture touched at least one row and
@@ -174,9 +188,12 @@ class Instrumentation:
             )
         capture = None
         if spec.capture is not None:
-            hooks = [(h, self.site(h, f"{where}: capture.hooks").index) for h in spec.capture.hooks]
+            features = self._features(spec.capture, f"{where}: capture") if spec.capture.sae is not None else None
+            names = [load_sae(spec.capture.sae).hook] if features is not None else spec.capture.hooks
+            hooks = [(h, self.site(h, f"{where}: capture.hooks").index) for h in names]
             _check_reach(spec.capture.positions, prompt_len, max_tokens, f"{where}: capture.positions")
-            if spec.capture.reduce == "none":
+            per_token = spec.capture.reduce == "none" or features is not None
+            if per_token:
                 need = (prompt_len + max_tokens) * self.hidden_size * 4 * len(hooks)
                 if need > self.settings.capture_bytes_per_request:
                     raise SpecError(
@@ -188,10 +205,11 @@ class Instrumentation:
             capture = CaptureWire(
                 hooks=hooks,
                 positions=spec.capture.positions,
-                reduce=spec.capture.reduce,
+                reduce="none" if features is not None else spec.capture.reduce,  # SAE: reduced when packed
                 dtype=spec.capture.dtype,
                 max_bytes=self.settings.capture_bytes_per_request,
-                handoff=self.handoff.ticket() if spec.capture.reduce == "none" else None,
+                handoff=self.handoff.ticket() if per_token else None,
+                features=features,
             )
         wire = RequestWire(uid=uid, steer=steer, capture=capture)
         salt = None
@@ -199,6 +217,26 @@ class Instrumentation:
             encoded = [item.encode() for item in steer]
             salt = hashlib.sha256(json.dumps(encoded, sort_keys=True).encode()).hexdigest()[:24]
         return PreparedRequest(uid, wire, vectors, salt, capture is not None, spec)
+
+    def _features(self, capture: Capture, where: str) -> FeaturesWire:
+        """An SAE capture's wire form, its SAE checked against the model and the capture's fields."""
+        assert capture.sae is not None
+        sae = load_sae(capture.sae, f"{where}.sae")
+        if capture.hooks and capture.hooks != [sae.hook]:
+            raise SpecError(
+                f"{where}.hooks: the SAE at {sae.path} reads {sae.hook!r}, not {capture.hooks[0]!r}; omit hooks"
+            )
+        if sae.d_in != self.hidden_size:
+            raise SpecError(
+                f"{where}.sae: the SAE at {sae.path} reads {sae.d_in}-wide activations but the model's hidden size "
+                f"is {self.hidden_size}; was it trained on another model?"
+            )
+        past = [f for f in capture.features or () if f >= sae.d_sae]
+        if past:
+            raise SpecError(f"{where}.features: {past[:5]} out of range; {sae.path} has features 0..{sae.d_sae - 1}")
+        if capture.features is None and capture.top_k > sae.d_sae:
+            raise SpecError(f"{where}.top_k: {capture.top_k} is more than the SAE's {sae.d_sae} features")
+        return FeaturesWire(sae=str(sae.path), top_k=capture.top_k, features=capture.features, reduce=capture.reduce)
 
     def pending_upload(self, requests: list[PreparedRequest | None]) -> VectorUpload | None:
         """The upload that gives the workers' bank every vector of ``requests`` (None: they have

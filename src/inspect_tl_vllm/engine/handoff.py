@@ -44,10 +44,11 @@ from inspect_tl_vllm.instrument.dtypes import TORCH_DTYPES
 TOKEN_FILE = "TOKEN"
 PREFIX = "tlvllm-handoff-"
 _OWNER = re.compile(re.escape(PREFIX) + r"(\d+)\.(\d+)-")  # pid namespace, pid
-# safetensors' name of each capture dtype: F<bits> for IEEE floats, BF16 for bfloat16
+# safetensors' name of each capture dtype: F<bits> for IEEE floats, BF16 for bfloat16; I32 for an SAE
+# capture's feature indices
 _SAFETENSORS_DTYPES = {
     dtype: ("BF" if name == "bfloat16" else "F") + str(8 * dtype.itemsize) for name, dtype in TORCH_DTYPES.items()
-}
+} | {torch.int32: "I32"}
 _TORCH_DTYPES = {code: dtype for dtype, code in _SAFETENSORS_DTYPES.items()}
 _IOV_MAX = 1024  # buffers one writev takes on Linux
 

@@ -11,6 +11,7 @@ thread, while the request still decodes; the fetch then only names the file.
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -21,14 +22,18 @@ import torch
 from inspect_tl_vllm.engine.handoff import shared_folder, write_tensors
 from inspect_tl_vllm.instrument.dtypes import TORCH_DTYPES
 from inspect_tl_vllm.instrument.plans import RequestState, finish_pooled
-from inspect_tl_vllm.wire import FetchedResult
+from inspect_tl_vllm.specs import sae_keys
+from inspect_tl_vllm.wire import FeaturesWire, FetchedResult
 
 
 class ResultPacker:
     """Packs results and owns the writer thread for early writes."""
 
-    def __init__(self, hidden_size: int) -> None:
+    def __init__(self, hidden_size: int, device: torch.device) -> None:
         self.hidden_size = hidden_size
+        self.device = device
+        self._saes: dict[int, tuple[Any, Any]] = {}  # id of a loaded SAE -> (it, its copy on ``device``)
+        self._saes_lock = threading.Lock()  # the writer thread packs too
         self.written_early = 0  # requests whose per-token rows were written out before their fetch
         self._writer: ThreadPoolExecutor | None = None
         self._folders: dict[tuple[str, ...], Path | None] = {}
@@ -65,14 +70,41 @@ class ResultPacker:
         return FetchedResult(uid=state.uid, receipt=state.receipt(), positions=positions, **moved)
 
     def _per_token(self, state: RequestState, max_pos: int) -> tuple[dict[str, torch.Tensor], dict[str, list[int]]]:
-        """Each hook's rows up to ``max_pos`` in the requested dtype, and their positions."""
+        """Each hook's rows up to ``max_pos`` in the requested dtype, and their positions (an SAE
+        capture: the rows' features, ``_features``)."""
         dtype = TORCH_DTYPES[state.dtype]
         tensors, positions = {}, {}
         for item in state.capture:
             kept, rows = item.per_token(max_pos)
+            if rows is None:
+                rows = torch.zeros(0, self.hidden_size)
+            if state.features is not None:
+                tensors.update(self._features(state.features, item.hook, rows, dtype))
+                if state.features.reduce == "none":
+                    positions.update({key: kept for key in sae_keys(item.hook)})
+                continue
             positions[item.hook] = kept
-            tensors[item.hook] = torch.zeros(0, self.hidden_size, dtype=dtype) if rows is None else rows.to(dtype)
+            tensors[item.hook] = rows.to(dtype)
         return tensors, positions
+
+    def _features(
+        self, wire: FeaturesWire, hook: str, rows: torch.Tensor, dtype: torch.dtype
+    ) -> dict[str, torch.Tensor]:
+        """An SAE capture's sparse features of ``rows``, encoded on this worker's device.  The worker
+        reads the SAE from the path the front end checked (a worker on another host needs the
+        same path); its weights stay on the device for the next request."""
+        from inspect_tl_vllm.vectors.sae import load_sae
+
+        sae = load_sae(wire.sae, "capture.sae")
+        with self._saes_lock:  # the entry holds ``sae`` itself, so its id is not reused while cached
+            if id(sae) not in self._saes:
+                while len(self._saes) >= 2:  # each copy holds two d_in x d_sae matrices of device memory
+                    self._saes.pop(next(iter(self._saes)))
+                self._saes[id(sae)] = (sae, sae.to(self.device))
+            on_device = self._saes[id(sae)][1]
+        indices, values = on_device.features_of(rows, reduce=wire.reduce, top_k=wire.top_k, features=wire.features)
+        indices_key, values_key = sae_keys(hook)
+        return {indices_key: indices, values_key: values.to(dtype)}
 
     def write_early(self, state: RequestState) -> None:
         """Write a capture that ends inside the prompt out now, on the writer thread (the step

@@ -19,8 +19,8 @@ import torch
 
 from inspect_tl_vllm.instrument.pooling import MODES
 from inspect_tl_vllm.instrument.site_op import FEATURE_AFTER, FEATURE_BEFORE, NORM_CHANGE, ROW_STATS
-from inspect_tl_vllm.specs import CAPTURE_DTYPES, MAX_COEF, MAX_POSITION
-from inspect_tl_vllm.wire import InterventionReceipt, Receipt, RequestWire
+from inspect_tl_vllm.specs import CAPTURE_DTYPES, MAX_COEF, MAX_FEATURE, MAX_POSITION, MAX_TOP_K
+from inspect_tl_vllm.wire import FeaturesWire, InterventionReceipt, Receipt, RequestWire
 
 OP_STAGES = {  # op -> (mult, add, proj, gate) as functions of coef (runtime.py: the stage math)
     "add": lambda c: (1.0, c, 0.0, 0.0),
@@ -153,6 +153,7 @@ class RequestState:
     bytes_used: int = 0
     error: str | None = None
     handoff: list[str] | None = None  # the front end's hand-off ticket (per-token captures; see handoff.py)
+    features: FeaturesWire | None = None  # an SAE capture: its rows are encoded when packed (engine/packing.py)
     written: Future[dict[str, Any]] | None = None  # per-token rows being written out early (worker.py)
 
     def capture_closes_with(self, positions: np.ndarray) -> bool:
@@ -252,7 +253,9 @@ def plan_request(
             raise ValueError(f"steering item {index}: coef {item.coef} is not within +-{MAX_COEF:g}")
         encoder = item.encoder
         if (encoder is None and item.op == "clamp") or (encoder is not None and item.op not in ("add", "clamp")):
-            raise ValueError(f"steering item {index}: only 'clamp' needs an SAE encoder, and only it and 'add' take one")
+            raise ValueError(
+                f"steering item {index}: only 'clamp' needs an SAE encoder, and only it and 'add' take one"
+            )
         for key in (item.vector, encoder.vector if encoder is not None else None):
             if key is not None and key not in bank_rows:
                 raise KeyError(f"vector {key} was not uploaded to this worker")
@@ -292,7 +295,22 @@ def plan_request(
         state.dtype = cap.dtype
         state.max_bytes = cap.max_bytes
         state.handoff = cap.handoff
+        if cap.features is not None:
+            _check_features(cap.features, cap.reduce, len(cap.hooks))
+            state.features = cap.features
     return state
+
+
+def _check_features(wire: FeaturesWire, reduce: str, hooks: int) -> None:
+    """An SAE capture travels as a per-token capture of one hook point, reduced in feature space when packed."""
+    if reduce != "none" or hooks != 1:
+        raise ValueError("capture: an SAE capture is sent as reduce 'none' over its one hook point")
+    if wire.reduce not in ("none", "mean", "max", "last") or not 1 <= wire.top_k <= MAX_TOP_K:
+        raise ValueError(f"capture: SAE reduce {wire.reduce!r} or top_k {wire.top_k} out of range")
+    if wire.features is not None and not (
+        0 < len(wire.features) <= MAX_TOP_K and all(0 <= f <= MAX_FEATURE for f in wire.features)
+    ):
+        raise ValueError("capture: SAE features must be 1..4096 indices within 0..2**24-1")
 
 
 def _site(site: int, sites: set[int]) -> int:

@@ -24,8 +24,8 @@ the bank is zeros and the defaults (mult 1, everything else 0) make a stage an e
 unsteered rows pass through bit for bit.  The result is then copied into the site's
 ``staging`` (captures are read from there after the step), each row's change in L2 norm and a
 feature stage's f before and after go to ``row_stats`` (steering receipts), and ``fired``
-counts executions (the loud check that a hook really runs inside the compiled graph).  ``site_op.py`` holds that math, as
-one operator that is a single Triton kernel on CUDA.
+counts executions (the loud check that a hook really runs inside the compiled graph).
+``site_op.py`` holds that math, as one operator that is a single Triton kernel on CUDA.
 """
 
 from __future__ import annotations

@@ -397,7 +397,7 @@ class TLVLLMAPI(ModelAPI):
                         epoch=active.epoch,
                         sample_uuid=active.sample_uuid,
                         activations=result.activations,
-                        tokens=result.receipt.get("captures", {}),
+                        tokens=result.tokens(),
                         positions=result.positions,
                         extra={
                             "model": self.model_name,

@@ -13,6 +13,7 @@ never unpickled, and checked for shape and finiteness when loaded.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +60,58 @@ class SparseAutoencoder:
             pre = pre * self.W_dec.norm(dim=-1)
         values, indices = pre.topk(self.k, dim=-1, sorted=False)
         return torch.zeros_like(pre).scatter(-1, indices, values.relu())
+
+    def to(self, device: torch.device | str) -> SparseAutoencoder:
+        """This SAE with its weights on ``device``."""
+        moved = {name: getattr(self, name).to(device) for name in ("W_enc", "b_enc", "W_dec", "b_dec")}
+        threshold = self.threshold.to(device) if self.threshold is not None else None
+        return dataclasses.replace(self, threshold=threshold, **moved)
+
+    def features_of(
+        self,
+        rows: torch.Tensor,
+        *,
+        reduce: str = "none",
+        top_k: int = 32,
+        features: list[int] | None = None,
+        chunk_rows: int = 1024,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The sparse feature activations of ``rows`` [n, d_in]: (indices int32, values float32),
+        each [n, k] for ``reduce="none"`` or [1, k] reduced over the rows in feature space (``mean``,
+        ``max`` per feature, ``last`` row).  k is ``top_k`` (the largest, in descending order) or
+        the listed ``features`` (in their order).  Encoded on this SAE's device, ``chunk_rows`` rows
+        at a time, so that a long capture never holds [n, d_sae] at once."""
+        device = self.W_enc.device
+        wanted = torch.tensor(features, dtype=torch.int64, device=device) if features is not None else None
+        k = min(top_k, self.d_sae)
+
+        def keep(acts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            if wanted is not None:
+                return wanted.expand(acts.shape[0], -1), acts.index_select(1, wanted)
+            values, indices = acts.topk(k, dim=-1)
+            return indices, values
+
+        if reduce == "last":
+            rows = rows[-1:]
+        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+        total: torch.Tensor | None = None
+        for start in range(0, rows.shape[0], chunk_rows):
+            acts = self.encode(rows[start : start + chunk_rows].to(device))
+            if reduce in ("none", "last"):
+                kept.append(keep(acts))
+            elif reduce == "mean":
+                part = acts.sum(0, keepdim=True, dtype=torch.float64)
+                total = part if total is None else total + part
+            else:
+                part = acts.amax(0, keepdim=True)
+                total = part if total is None else torch.maximum(total, part)
+        if total is not None:
+            kept = [keep((total / rows.shape[0]).float() if reduce == "mean" else total)]
+        if not kept:
+            empty = torch.zeros(0, len(features) if features is not None else k)
+            return empty.to(torch.int32), empty
+        indices = torch.cat([i for i, _ in kept]).to(device="cpu", dtype=torch.int32)
+        return indices, torch.cat([v for _, v in kept]).float().cpu()
 
     def decoder_row(self, feature: int, where: str) -> torch.Tensor:
         """Feature ``feature``'s decoder direction (what adding the feature adds), float32 [d_in]."""
@@ -200,3 +253,14 @@ def feature_steering(path: str, feature: int, *, op: str, hook: str, width: int,
         bias -= float(sae.b_dec.double() @ encoder.double())
     threshold = max(float(sae.threshold[feature]), 0.0) if sae.threshold is not None else 0.0
     return FeatureSteering(decoder, encoder, bias, threshold)
+
+
+def densify(indices: torch.Tensor, values: torch.Tensor, d_sae: int) -> torch.Tensor:
+    """Sparse feature activations as an SAE capture stores them (``<hook>.sae_indices`` and
+    ``<hook>.sae_values``, [rows, k]) as dense [rows, d_sae] rows, zeros where a feature was not kept."""
+    if indices.shape != values.shape or indices.dim() != 2:
+        raise ValueError(f"densify: indices {tuple(indices.shape)} and values {tuple(values.shape)} must be [rows, k]")
+    if indices.numel() and not 0 <= int(indices.min()) <= int(indices.max()) < d_sae:
+        raise ValueError(f"densify: feature indices run outside 0..{d_sae - 1}")
+    dense = torch.zeros(values.shape[0], d_sae, dtype=values.dtype)
+    return dense.scatter_(1, indices.long(), values)
