@@ -3,7 +3,8 @@
 Run-wide steering: ``-M steer=spec.yaml`` (a file holding a RequestSpec: ``interventions``
 and optionally ``capture``) or inline JSON (``-M steer='{"interventions": [...]}'``).
 Run-wide capture: ``-M capture=blocks.6.hook_resid_post,ln_final.hook_normalized`` with
-``-M capture_reduce=mean|last|max_norm|none`` and ``-M capture_positions=all|prompt|generated``.
+``-M capture_reduce=mean|last|max_norm|none`` and ``-M capture_positions=all|prompt|generated``;
+or an SAE's features: ``-M capture_sae=DIR -M capture_top_k=32`` (``capture_reduce`` mean|max|last|none).
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ PROVIDER_ARGS = (
     "capture_reduce",
     "capture_positions",
     "capture_dtype",
+    "capture_sae",
+    "capture_top_k",
     "activations_dir",
     "activations_shard_mb",
     "chat_template",
@@ -69,6 +72,7 @@ class ProviderSettings:
                 path, key = split_vector_ref(vector)
                 if path.is_file():
                     item["vector"] = [hashlib.sha256(path.read_bytes()).hexdigest(), key]
+        for item in [*spec["interventions"], spec["capture"] or {}]:
             if isinstance(item.get("sae"), str):  # an SAE's files, so that retraining it changes the key
                 from inspect_tl_vllm.vectors.sae import CONFIG, WEIGHTS
 
@@ -102,9 +106,11 @@ def _load_structured(value: str, name: str) -> Any:
 
 
 def _relative_vectors(spec: Any, base: Path) -> Any:
-    """Vector files and SAE folders named in a spec file are relative to that file's folder."""
+    """Vector files and SAE folders (of interventions and the capture) named in a spec file are
+    relative to that file's folder."""
     if isinstance(spec, dict):
-        for item in spec.get("interventions") or []:
+        capture = spec.get("capture")
+        for item in [*(spec.get("interventions") or []), *([capture] if isinstance(capture, dict) else [])]:
             for field_name in ("vector", "sae"):
                 value = item.get(field_name) if isinstance(item, dict) else None
                 if isinstance(value, str) and not Path(value).expanduser().is_absolute():
@@ -144,14 +150,22 @@ def parse_model_args(args: dict[str, Any]) -> ProviderSettings:
     if args.get("steer"):
         raw = args["steer"]
         spec = parse_request_spec(_load_structured(raw, "steer") if isinstance(raw, str) else raw, "-M steer")
-    if args.get("capture"):
+    if args.get("capture") and args.get("capture_sae"):
+        raise SpecError("-M capture and -M capture_sae: a request has one capture; give one of them")
+    if args.get("capture") or args.get("capture_sae"):
         capture = {
-            "hooks": _as_list(args["capture"]),
             "reduce": args.get("capture_reduce", "mean"),
             "positions": args.get("capture_positions", "all"),
             "dtype": args.get("capture_dtype", "float32"),
         }
-        spec = spec.merged(parse_request_spec({"capture": capture}, "-M capture"))
+        if args.get("capture_sae"):
+            capture["sae"] = str(args["capture_sae"])
+            if "capture_top_k" in args:
+                capture["top_k"] = args["capture_top_k"]
+        else:
+            capture["hooks"] = _as_list(args["capture"])
+        where = "-M capture_sae" if args.get("capture_sae") else "-M capture"
+        spec = spec.merged(parse_request_spec({"capture": capture}, where))
     boot = str(args.get("boot", "lazy"))
     if boot not in ("lazy", "eager"):
         raise SpecError(f"-M boot={boot!r}: use lazy (at the first request) or eager (before the eval starts)")

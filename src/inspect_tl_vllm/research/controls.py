@@ -8,18 +8,25 @@ the per-user cache, and referenced by path like any other vector.
 from __future__ import annotations
 
 import hashlib
+from typing import Any
 
 from inspect_tl_vllm.model_prep import cache_root
 
 
 def random_like(vector_ref: str, seed: int) -> str:
     """Path of a safetensors file holding a random vector with the norm of ``vector_ref``."""
+    from inspect_tl_vllm.vectors.files import read_vector_file
+
+    return random_like_vector(read_vector_file(vector_ref, "control vector"), seed)
+
+
+def random_like_vector(source: Any, seed: int) -> str:
+    """Path of a safetensors file holding a random vector with the norm of the tensor ``source``
+    (an SAE feature's decoder row, say)."""
     import torch
     from safetensors.torch import save_file
 
-    from inspect_tl_vllm.vectors.files import read_vector_file
-
-    source = read_vector_file(vector_ref, "control vector").flatten().float()
+    source = source.flatten().float()
     digest = hashlib.sha256(source.numpy().tobytes()).hexdigest()[:16]
     path = cache_root() / "controls" / f"{digest}-seed{seed}.safetensors"
     if not path.is_file():

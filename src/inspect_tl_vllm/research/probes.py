@@ -23,8 +23,9 @@ import torch
 from inspect_ai.scorer import Score, Target, mean, scorer
 from inspect_ai.solver import TaskState
 
+from inspect_tl_vllm.research.scored_activations import stored_activations
 from inspect_tl_vllm.research.stats import Interval, wilson_interval
-from inspect_tl_vllm.specs import TAG, SpecError
+from inspect_tl_vllm.specs import SpecError
 
 L2_GRID = (1e-3, 1e-2, 1e-1, 1.0, 10.0)
 """The L2 strengths ``choose_l2`` tries: decades, from nearly none to strong."""
@@ -216,17 +217,7 @@ def probe_scorer(probe: str) -> Any:
     weight, bias, hook = load_probe(probe)
 
     async def score(state: TaskState, target: Target) -> Score:
-        from inspect_tl_vllm.provider.active import active_sample
-        from inspect_tl_vllm.store.layout import read_sample, recorded_dir
-
-        stored = (state.output.metadata or {}).get(TAG, {}).get("activations", {})
-        if "dir" not in stored:
-            raise SpecError(f"probe_scorer: sample {state.sample_id!r} has no stored activations; capture {hook}")
-        # The file name is data from the output's metadata: read_sample keeps it inside the folder.
-        where = f"probe_scorer: sample {state.sample_id!r} epoch {state.epoch} output metadata"
-        active = active_sample()  # the folder is recorded relative to the log's folder
-        folder = recorded_dir(stored["dir"], active.log_location) if active is not None else stored["dir"]
-        tensors = read_sample(folder, stored, where=where)
+        tensors = stored_activations(state, "probe_scorer", f"capture {hook}")
         return Score(value=probe_value(tensors, weight, bias, hook))
 
     return score
