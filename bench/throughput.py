@@ -35,6 +35,11 @@ and, only when named in ``--variants``:
   the first request to the last shard stored, so the ratio includes storing; here storing starts
   when the whole batch has finished, where the provider stores each sample as it finishes, so it
   is the worse case. What was stored is removed after each run, untimed.
+- ``sae_steer``, ``sae_clamp`` and ``sae_capture``: a JumpReLU SAE of 65,536 features at
+  ``blocks.{L//2}.hook_resid_post`` with random weights (written once under ``--scratch`` in
+  SAELens' format, bfloat16).  ``sae_steer`` adds feature ``k % 64`` to request k (coef 4, the
+  receipt reporting the feature before and after), ``sae_clamp`` clamps it to 4, and
+  ``sae_capture`` captures every request's top 32 features per token, prompt and answer.
 - ``hotwire``: the peer project hotwire-vllm (a vLLM general plugin that steers inside CUDA
   graphs; it does not capture) doing ``steer``'s work in a third engine process, the only one
   with ``--hotwire-dir`` on its path and ``VLLM_PLUGINS=hotwire``.  Each request names its own
@@ -407,7 +412,11 @@ def run_variant(
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
         token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     else:
-        specs = variant_specs(variant, vectors, layers)
+        sae = None
+        if variant in SAE_VARIANTS:
+            width = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+            sae = random_sae(options["scratch"], width, f"blocks.{layers // 2}.hook_resid_post")
+        specs = variant_specs(variant, vectors, layers, sae)
         outputs = engine.generate(prompts, specs=specs, **params)
         token_ids = [o.token_ids for o in outputs]
         phases = {key: round(value, 3) for key, value in engine.last_timings.items()}
@@ -503,14 +512,54 @@ def s3_server(needed: bool) -> Iterator[None]:
         server.stop()
 
 
+SAE_FEATURES = 1 << 16
+SAE_VARIANTS = ("sae_steer", "sae_clamp", "sae_capture")
+
+
+def random_sae(scratch: str, width: int, hook: str) -> str:
+    """A JumpReLU SAE with random weights in SAELens' format (written once per shape)."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = Path(scratch) / f"sae-{width}x{SAE_FEATURES}-{hook}"
+    if (folder / "sae_weights.safetensors").is_file():
+        return str(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    generator = torch.Generator().manual_seed(0)
+    encoder = torch.randn(width, SAE_FEATURES, generator=generator) / width**0.5
+    weights = {
+        "W_enc": encoder,
+        "W_dec": (encoder / encoder.norm(dim=0)).T.contiguous(),
+        "b_enc": torch.zeros(SAE_FEATURES),
+        "b_dec": torch.zeros(width),
+        "threshold": torch.full((SAE_FEATURES,), 0.05),
+    }
+    save_file({name: t.to(torch.bfloat16) for name, t in weights.items()}, str(folder / "sae_weights.safetensors"))
+    config = {"architecture": "jumprelu", "d_in": width, "d_sae": SAE_FEATURES, "metadata": {"hook_name": hook}}
+    (folder / "cfg.json").write_text(json.dumps(config))
+    return str(folder)
+
+
 def engine_for(variant: str) -> str:
     return variant if variant in ("vanilla", "hotwire") else "instrumented"
 
 
-def variant_specs(variant: str, vectors: list[list[float]], layers: int) -> list[dict[str, Any] | None]:
+def variant_specs(
+    variant: str, vectors: list[list[float]], layers: int, sae: str | None = None
+) -> list[dict[str, Any] | None]:
     middle = layers // 2
     if variant == "plain":
         return [None] * len(vectors)
+    if variant in ("sae_steer", "sae_clamp"):
+        op = "add" if variant == "sae_steer" else "clamp"
+        hook = f"blocks.{middle}.hook_resid_post"
+        features = max(1, min(64, len(vectors) // 2))  # two bank rows each (decoder, encoder): within max_vectors
+        return [
+            {"interventions": [{"hook": hook, "op": op, "sae": sae, "feature": k % features, "coef": 4.0}]}
+            for k in range(len(vectors))
+        ]
+    if variant == "sae_capture":
+        return [{"capture": {"sae": sae, "top_k": 32}} for _ in vectors]
     if variant in ("steer", "steer_zero"):
         hook, coef = f"blocks.{middle}.hook_resid_post", 1.0 if variant == "steer" else 0.0
         return [{"interventions": [{"hook": hook, "vector": v, "coef": coef}]} for v in vectors]
@@ -600,6 +649,7 @@ def measure(args: argparse.Namespace, variants: list[str], kinds: list[str]) -> 
         _, conn = engines[engine_for(variant)]
         options = {"detokenize": not args.no_detokenize, "py_spy": args.py_spy, "profile_to": profile_to}
         options["stores"] = {"disk": str(Path(args.scratch) / "stored"), "s3": f"s3://{S3_BUCKET}/stored"}
+        options["scratch"] = args.scratch
         conn.send((variant, new_tokens, options))
         power: dict[str, Any] = {}
         procs: dict[str, Any] = {}

@@ -29,9 +29,10 @@ from inspect_tl_vllm.wire import FeaturesWire, FetchedResult
 class ResultPacker:
     """Packs results and owns the writer thread for early writes."""
 
-    def __init__(self, hidden_size: int, device: torch.device) -> None:
+    def __init__(self, hidden_size: int, device: torch.device, act_dtype: torch.dtype) -> None:
         self.hidden_size = hidden_size
         self.device = device
+        self.act_dtype = act_dtype
         self._saes: dict[int, tuple[Any, Any]] = {}  # id of a loaded SAE -> (it, its copy on ``device``)
         self._saes_lock = threading.Lock()  # the writer thread packs too
         self.written_early = 0  # requests whose per-token rows were written out before their fetch
@@ -90,9 +91,9 @@ class ResultPacker:
     def _features(
         self, wire: FeaturesWire, hook: str, rows: torch.Tensor, dtype: torch.dtype
     ) -> dict[str, torch.Tensor]:
-        """An SAE capture's sparse features of ``rows``, encoded on this worker's device.  The worker
-        reads the SAE from the path the front end checked (a worker on another host needs the
-        same path); its weights stay on the device for the next request."""
+        """An SAE capture's sparse features of ``rows``, encoded on this worker's device in the
+        model's dtype.  The worker reads the SAE from the path the front end checked (a worker on
+        another host needs the same path); its encoder stays on the device for the next request."""
         from inspect_tl_vllm.vectors.sae import load_sae
 
         sae = load_sae(wire.sae, "capture.sae")
@@ -100,7 +101,7 @@ class ResultPacker:
             if id(sae) not in self._saes:
                 while len(self._saes) >= 2:  # each copy holds two d_in x d_sae matrices of device memory
                     self._saes.pop(next(iter(self._saes)))
-                self._saes[id(sae)] = (sae, sae.to(self.device))
+                self._saes[id(sae)] = (sae, sae.encoder_on(self.device, self.act_dtype))
             on_device = self._saes[id(sae)][1]
         indices, values = on_device.features_of(rows, reduce=wire.reduce, top_k=wire.top_k, features=wire.features)
         indices_key, values_key = sae_keys(hook)

@@ -69,7 +69,7 @@ class Controller:
             act_dtype=runner.model_config.dtype,
         )
         self.handles = install_hooks(inner.layers, inner.norm, self.sites, self.runtime)
-        self.packer = ResultPacker(int(hf_config.hidden_size), self.runtime.device)
+        self.packer = ResultPacker(int(hf_config.hidden_size), self.runtime.device, self.runtime.act_dtype)
         self.router = StepRouter(
             self.runtime,
             collect=_tensor_parallel_rank() == 0,

@@ -42,14 +42,16 @@ class SparseAutoencoder:
     k: int | None
     apply_b_dec_to_input: bool
     rescale_acts_by_decoder_norm: bool
+    _decoder_norms: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def encode(self, activations: torch.Tensor) -> torch.Tensor:
         """Feature activations [..., d_sae] of activations [..., d_in], in float32, as SAELens'
-        ``SAE.encode`` computes them for this architecture."""
-        x = activations.to(torch.float32)
+        ``SAE.encode`` computes them for this architecture (in the encoder's dtype: float32 as
+        loaded, the model's dtype on a worker's GPU, see ``to``)."""
+        x = activations.to(self.W_enc.dtype)
         if self.apply_b_dec_to_input:
             x = x - self.b_dec
-        pre = x @ self.W_enc + self.b_enc
+        pre = torch.addmm(self.b_enc, x.reshape(-1, self.d_in), self.W_enc).float().reshape(*x.shape[:-1], -1)
         if self.architecture == "standard":
             return pre.relu()
         if self.architecture == "jumprelu":
@@ -57,15 +59,25 @@ class SparseAutoencoder:
             return pre.relu() * (pre > self.threshold).to(pre.dtype)
         assert self.k is not None
         if self.rescale_acts_by_decoder_norm:
-            pre = pre * self.W_dec.norm(dim=-1)
+            pre = pre * self.decoder_norms
         values, indices = pre.topk(self.k, dim=-1, sorted=False)
         return torch.zeros_like(pre).scatter(-1, indices, values.relu())
 
-    def to(self, device: torch.device | str) -> SparseAutoencoder:
-        """This SAE with its weights on ``device``."""
-        moved = {name: getattr(self, name).to(device) for name in ("W_enc", "b_enc", "W_dec", "b_dec")}
+    @property
+    def decoder_norms(self) -> torch.Tensor:
+        """Each feature's decoder norm [d_sae] (TopK's ``rescale_acts_by_decoder_norm``), on the encoder's device."""
+        if self._decoder_norms is None:
+            object.__setattr__(self, "_decoder_norms", self.W_dec.norm(dim=-1).to(self.W_enc.device))
+        return self._decoder_norms
+
+    def encoder_on(self, device: torch.device | str, dtype: torch.dtype) -> SparseAutoencoder:
+        """This SAE for encoding on ``device`` in ``dtype`` (a worker's GPU, the model's dtype: a
+        float32 encoder would cost bfloat16 tensor cores several times over).  The decoder stays
+        where it is: encoding reads only its norms."""
+        norms = self.decoder_norms.to(device) if self.rescale_acts_by_decoder_norm else None
+        moved = {name: getattr(self, name).to(device, dtype) for name in ("W_enc", "b_enc", "b_dec")}
         threshold = self.threshold.to(device) if self.threshold is not None else None
-        return dataclasses.replace(self, threshold=threshold, **moved)
+        return dataclasses.replace(self, threshold=threshold, _decoder_norms=norms, **moved)
 
     def features_of(
         self,
