@@ -30,6 +30,8 @@
 #                                          # and s3fs), 3 rounds (~5 min)
 #   bash bench/gpu_run.sh sae-8b OUTDIR   # a 65,536-feature SAE at layer 16: steer by a feature, clamp one,
 #                                          # capture the top 32 features per token; beside steer (~6 min)
+#   bash bench/gpu_run.sh sae-capture-8b OUTDIR  # SAE capture per token against the same rows captured raw,
+#                                          # and over the prompt only, 3 rounds (~5 min)
 # The peers steps install hotwire from bench/peers/ into /tmp/tlvllm-hotwire, a folder on no
 # path but that of the hotwire engine's process (throughput.py --hotwire-dir).
 #
@@ -48,7 +50,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh install|check|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|1b-long|2b|peers-1b|peers-8b|8b-store|sae-8b OUTDIR}
+step=${1:?usage: gpu_run.sh install|check|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|1b-long|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -140,6 +142,11 @@ case "$step" in
     timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 5 \
       --weights scaled --variants vanilla,plain,steer,sae_steer,sae_clamp,sae_capture \
       --out "$out/throughput_8b_sae.json" >"$log" 2>&1
+    ;;
+  sae-capture-8b)
+    timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 3 \
+      --weights scaled --variants vanilla,plain,capture_tokens,sae_capture,sae_capture_prompt \
+      --out "$out/throughput_8b_sae_capture.json" >"$log" 2>&1
     ;;
   8b-store)
     timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 3 \

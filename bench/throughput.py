@@ -38,8 +38,11 @@ and, only when named in ``--variants``:
 - ``sae_steer``, ``sae_clamp`` and ``sae_capture``: a JumpReLU SAE of 65,536 features at
   ``blocks.{L//2}.hook_resid_post`` with random weights (written once under ``--scratch`` in
   SAELens' format, bfloat16).  ``sae_steer`` adds feature ``k % 64`` to request k (coef 4, the
-  receipt reporting the feature before and after), ``sae_clamp`` clamps it to 4, and
-  ``sae_capture`` captures every request's top 32 features per token, prompt and answer.
+  receipt reporting the feature before and after), ``sae_clamp`` clamps it to 4,
+  ``sae_capture`` captures every request's top 32 features per token, prompt and answer, and
+  ``sae_capture_prompt`` the same over the prompt only.
+- ``capture_tokens``: every request captures ``blocks.{L//2}.hook_resid_post`` per token, prompt
+  and answer, in bfloat16: ``sae_capture``'s rows without the SAE.
 - ``hotwire``: the peer project hotwire-vllm (a vLLM general plugin that steers inside CUDA
   graphs; it does not capture) doing ``steer``'s work in a third engine process, the only one
   with ``--hotwire-dir`` on its path and ``VLLM_PLUGINS=hotwire``.  Each request names its own
@@ -513,7 +516,7 @@ def s3_server(needed: bool) -> Iterator[None]:
 
 
 SAE_FEATURES = 1 << 16
-SAE_VARIANTS = ("sae_steer", "sae_clamp", "sae_capture")
+SAE_VARIANTS = ("sae_steer", "sae_clamp", "sae_capture", "sae_capture_prompt")
 
 
 def random_sae(scratch: str, width: int, hook: str) -> str:
@@ -558,8 +561,11 @@ def variant_specs(
             {"interventions": [{"hook": hook, "op": op, "sae": sae, "feature": k % features, "coef": 4.0}]}
             for k in range(len(vectors))
         ]
-    if variant == "sae_capture":
-        return [{"capture": {"sae": sae, "top_k": 32}} for _ in vectors]
+    if variant in ("sae_capture", "sae_capture_prompt"):
+        positions = "prompt" if variant == "sae_capture_prompt" else "all"
+        return [{"capture": {"sae": sae, "top_k": 32, "positions": positions}} for _ in vectors]
+    if variant == "capture_tokens":
+        return [{"capture": {"hooks": [f"blocks.{middle}.hook_resid_post"], "dtype": "bfloat16"}} for _ in vectors]
     if variant in ("steer", "steer_zero"):
         hook, coef = f"blocks.{middle}.hook_resid_post", 1.0 if variant == "steer" else 0.0
         return [{"interventions": [{"hook": hook, "vector": v, "coef": coef}]} for v in vectors]
