@@ -70,3 +70,46 @@ def test_activations_load_snippet(vllm_ready, tiny_llama_dir, tmp_path):
         "q1 1 {} {'blocks.1.hook_resid_post': (1, 64)}",
         "q2 1 {} {'blocks.1.hook_resid_post': (1, 64)}",
     ]
+
+
+def bash_lines(marker: str) -> list[str]:
+    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
+    found = [block for block in blocks if marker in block]
+    assert len(found) == 1, f"one README bash block should contain {marker!r}"
+    return [line.split("#")[0].strip() for line in found[0].strip().splitlines()]
+
+
+def test_sae_features_commands(smollm2_dir, vllm_ready, tmp_path):
+    """The README's SAE commands as written (the sweep with one sample per point): the eval steers by
+    the demonstration SAE's feature 0, stores each answer's top features, and scores the feature as
+    stored; the sweep runs its points with controls."""
+    import shlex
+
+    from inspect_ai.log import read_eval_log
+
+    from inspect_tl_vllm import activations
+    from inspect_tl_vllm.vectors.sae import densify
+
+    run, sweep = bash_lines("evals/sae_features.py")
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "INSPECT_LOG_DIR": str(tmp_path / "logs")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # inspect, tl-vllm
+    command = shlex.split(run)
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [log_file] = (tmp_path / "logs").glob("*.eval")
+    log = read_eval_log(str(log_file))
+    assert log.status == "success" and len(log.samples) == 6
+    for sample in activations.load(log_file):
+        indices = sample.activations["blocks.12.hook_resid_post.sae_indices"]
+        values = sample.activations["blocks.12.hook_resid_post.sae_values"]
+        assert indices.shape == values.shape == (1, 8)
+        feature = float(densify(indices, values, 64)[0, 0])
+        assert feature > 1.0  # steered by 2 units of the feature's own direction
+        assert sample.scores["sae_feature"] == pytest.approx(feature)
+    receipt = log.samples[0].output.metadata["tlvllm"]["receipt"]["interventions"][0]
+    assert receipt["feature_before"] + 1.0 < receipt["feature_after"] <= receipt["feature_before"] + 2.0 + 1e-3
+
+    command = [*shlex.split(sweep), "--limit", "1", "--log-dir", str(tmp_path / "sweep")]
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(list((tmp_path / "sweep").glob("*.eval"))) == 3 + 2 * 2  # 3 coefficients, 2 controls at 1 and 2
