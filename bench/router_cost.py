@@ -39,7 +39,7 @@ def states(workload: str, count: int, site: int) -> list[RequestState]:
     for i in range(count):
         state = RequestState(uid=f"r{i}", prompt_len=PROMPT_LEN, steer=[], capture=[])
         if workload == "steer":
-            row = np.array([i + 1, 1.0, 1.0, 0.0], dtype=np.float32)
+            row = np.array([i + 1, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=np.float32)  # add bank row i + 1
             state.steer = [SteerItem(0, "add", site, 0, row, Scope.resolve("all", PROMPT_LEN))]
         elif workload == "capture_mean":
             state.capture = [CaptureItem(hook="h", site=site)]
