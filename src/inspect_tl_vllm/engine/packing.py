@@ -11,7 +11,6 @@ thread, while the request still decodes; the fetch then only names the file.
 from __future__ import annotations
 
 import os
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -23,18 +22,14 @@ from inspect_tl_vllm.engine.handoff import shared_folder, write_tensors
 from inspect_tl_vllm.instrument.dtypes import TORCH_DTYPES
 from inspect_tl_vllm.instrument.plans import RequestState, finish_pooled
 from inspect_tl_vllm.specs import sae_keys
-from inspect_tl_vllm.wire import FeaturesWire, FetchedResult
+from inspect_tl_vllm.wire import FetchedResult
 
 
 class ResultPacker:
     """Packs results and owns the writer thread for early writes."""
 
-    def __init__(self, hidden_size: int, device: torch.device, act_dtype: torch.dtype) -> None:
+    def __init__(self, hidden_size: int) -> None:
         self.hidden_size = hidden_size
-        self.device = device
-        self.act_dtype = act_dtype
-        self._saes: dict[int, tuple[Any, Any]] = {}  # id of a loaded SAE -> (it, its copy on ``device``)
-        self._saes_lock = threading.Lock()  # the writer thread packs too
         self.written_early = 0  # requests whose per-token rows were written out before their fetch
         self._writer: ThreadPoolExecutor | None = None
         self._folders: dict[tuple[str, ...], Path | None] = {}
@@ -77,35 +72,52 @@ class ResultPacker:
         tensors, positions = {}, {}
         for item in state.capture:
             kept, rows = item.per_token(max_pos)
-            if rows is None:
-                rows = torch.zeros(0, self.hidden_size)
             if state.features is not None:
-                tensors.update(self._features(state.features, item.hook, rows, dtype))
+                features, kept = self._features(state, item.hook, max_pos)
+                tensors.update(features)
                 if state.features.reduce == "none":
-                    positions.update({key: kept for key in sae_keys(item.hook)})
+                    positions.update({key: kept for key in features})
                 continue
             positions[item.hook] = kept
-            tensors[item.hook] = rows.to(dtype)
+            tensors[item.hook] = torch.zeros(0, self.hidden_size, dtype=dtype) if rows is None else rows.to(dtype)
         return tensors, positions
 
-    def _features(
-        self, wire: FeaturesWire, hook: str, rows: torch.Tensor, dtype: torch.dtype
-    ) -> dict[str, torch.Tensor]:
-        """An SAE capture's sparse features of ``rows``, encoded on this worker's device in the
-        model's dtype.  The worker reads the SAE from the path the front end checked (a worker on
-        another host needs the same path); its encoder stays on the device for the next request."""
-        from inspect_tl_vllm.vectors.sae import load_sae
-
-        sae = load_sae(wire.sae, "capture.sae")
-        with self._saes_lock:  # the entry holds ``sae`` itself, so its id is not reused while cached
-            if id(sae) not in self._saes:
-                while len(self._saes) >= 2:  # each copy holds two d_in x d_sae matrices of device memory
-                    self._saes.pop(next(iter(self._saes)))
-                self._saes[id(sae)] = (sae, sae.encoder_on(self.device, self.act_dtype))
-            on_device = self._saes[id(sae)][1]
-        indices, values = on_device.features_of(rows, reduce=wire.reduce, top_k=wire.top_k, features=wire.features)
+    def _features(self, state: RequestState, hook: str, max_pos: int) -> tuple[dict[str, torch.Tensor], list[int]]:
+        """An SAE capture's tensors (``feature_captures.py`` encoded them in the step): per token,
+        the rows up to ``max_pos``; per sample, the reduction (the pending row joins it only when
+        it was an input, as for pooled rows), then its top-k or listed features."""
+        wire = state.features
+        assert wire is not None
+        dtype = TORCH_DTYPES[state.dtype]
         indices_key, values_key = sae_keys(hook)
-        return {indices_key: indices, values_key: values.to(dtype)}
+        if state.feature_rows is not None:
+            positions, rows = state.feature_rows
+            keep = np.argsort(positions, kind="stable")
+            keep = keep[positions[keep] <= max_pos]
+            k = rows.shape[1] // 2
+            kept = torch.from_numpy(rows[keep])
+            state.capture[0].rows_kept = len(keep)
+            indices = kept[:, k:].to(torch.int32)
+            return {indices_key: indices, values_key: kept[:, :k].to(dtype).contiguous()}, positions[keep].tolist()
+        if state.feature_pooled is None:
+            raise RuntimeError("the SAE capture's results were never read back")
+        reduced, pending, pending_pos, count = state.feature_pooled
+        keep = 0 <= pending_pos <= max_pos
+        rows = count - (1 if pending_pos >= 0 and not keep else 0)
+        state.captured = state.capture[0].rows_kept = rows
+        if wire.reduce == "mean":
+            row = ((reduced + pending) if keep else reduced) / max(rows, 1)
+        elif wire.reduce == "max":
+            row = np.maximum(reduced, pending) if keep else reduced
+        else:
+            row = pending if keep else reduced
+        dense = torch.from_numpy(np.ascontiguousarray(row, dtype=np.float32))[None]
+        if wire.features is not None:
+            wanted = torch.tensor(wire.features, dtype=torch.int64)
+            indices, values = wanted[None], dense.index_select(1, wanted)
+        else:
+            values, indices = dense.topk(min(wire.top_k, dense.shape[1]), dim=-1)
+        return {indices_key: indices.to(torch.int32).contiguous(), values_key: values.to(dtype).contiguous()}, []
 
     def write_early(self, state: RequestState) -> None:
         """Write a capture that ends inside the prompt out now, on the writer thread (the step

@@ -27,6 +27,7 @@ import torch
 
 from inspect_tl_vllm.engine.handoff import shared_folder
 from inspect_tl_vllm.engine.packing import ResultPacker, early_writes
+from inspect_tl_vllm.engine.sae_encoders import SaeEncoders
 from inspect_tl_vllm.engine.telemetry import GC_TIMER, HostTimer, pinned_host_stats
 from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, layout_for
 from inspect_tl_vllm.instrument.plans import RequestState, plan_request
@@ -69,7 +70,8 @@ class Controller:
             act_dtype=runner.model_config.dtype,
         )
         self.handles = install_hooks(inner.layers, inner.norm, self.sites, self.runtime)
-        self.packer = ResultPacker(int(hf_config.hidden_size), self.runtime.device, self.runtime.act_dtype)
+        self.packer = ResultPacker(int(hf_config.hidden_size))
+        self.encoders = SaeEncoders(self.runtime.device, self.runtime.act_dtype)
         self.router = StepRouter(
             self.runtime,
             collect=_tensor_parallel_rank() == 0,
@@ -142,6 +144,8 @@ class Controller:
                 self.runtime.max_stack,
                 self.owned,
             )
+            if state.features is not None and state.capture and self.router.collect:
+                state.encoder = self.encoders.encoder(state.features.sae)
         except Exception as err:  # this request fails, alone: the step loop and every other request go on
             uid = str(raw.get("uid", "")) if isinstance(raw, dict) else ""
             state = RequestState(uid=uid, prompt_len=request.num_prompt_tokens, steer=[], capture=[])

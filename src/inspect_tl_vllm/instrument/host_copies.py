@@ -50,6 +50,8 @@ class InFlight:
     retired: list[RequestState] = field(default_factory=list)
     pooled_reads: PooledReads = field(default_factory=dict)
     receipt_reads: ReceiptReads | None = None
+    feature_reads: Any = None  # feature_captures.FeatureReads of the retiring requests
+    features: list[Any] = field(default_factory=list)  # feature_captures.FeatureFlight: SAE rows to land
     event: Any = None
 
     def landed(self) -> bool:

@@ -153,7 +153,10 @@ class RequestState:
     bytes_used: int = 0
     error: str | None = None
     handoff: list[str] | None = None  # the front end's hand-off ticket (per-token captures; see handoff.py)
-    features: FeaturesWire | None = None  # an SAE capture: its rows are encoded when packed (engine/packing.py)
+    features: FeaturesWire | None = None  # an SAE capture (feature_captures.py)
+    encoder: Any = None  # its SAE on the worker's device (the worker attaches it): d_sae, encode(rows)
+    feature_rows: tuple[np.ndarray, np.ndarray] | None = None  # per token: positions, [values | indices] rows
+    feature_pooled: tuple[np.ndarray, np.ndarray, int, int] | None = None  # reduced, pending, its position, rows
     written: Future[dict[str, Any]] | None = None  # per-token rows being written out early (worker.py)
 
     def capture_closes_with(self, positions: np.ndarray) -> bool:

@@ -60,30 +60,15 @@ class PooledCaptures:
         pending row, -1 for none) is updated."""
         order = np.lexsort((positions, slots))
         newest_of_slot: dict[int, int] = {}
-        device = self.runtime.device
         for key in np.unique(site_of * len(MODES) + mode_of).tolist():
             site, mode = divmod(key, len(MODES))
             group = order[(site_of[order] == site) & (mode_of[order] == mode)]
-            s, r, p = slots[group], rows[group], positions[group]
-            newest = np.r_[s[1:] != s[:-1], True]  # per slot, the row with the highest position
-            step_slots, step_rows = s[newest], r[newest]
-            earlier = ~newest
-            if mode == MODES["last"]:  # of the earlier rows only the last per slot matters
-                earlier &= np.r_[newest[1:], False]
-            carried = step_slots[pending[step_slots] >= 0]
-            parts = [carried, r[earlier], s[earlier], step_slots, step_rows]
-            index = device_index(np.concatenate(parts), device, self.cuda)
-            bounds = np.cumsum([0, *(len(part) for part in parts)]).tolist()
-            carried_t, earlier_rows, earlier_slots, step_slots_t, step_rows_t = (
-                index[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)
-            )
-            pool, staging = self.pools[site], self.runtime.sites[site].staging
-            if len(carried):
-                pool.fold(mode, pool.pending, carried_t, carried_t)
-            if earlier.any():
-                pool.fold(mode, staging, earlier_rows, earlier_slots)
-            pool.stash(staging, step_rows_t, step_slots_t)
-            newest_of_slot.update(zip(step_slots.tolist(), p[newest].tolist(), strict=True))
+            staging = self.runtime.sites[site].staging
+            step_slots, newest = fold_group(
+                self.pools[site], mode, staging, rows[group], slots[group], positions[group], pending,
+                self.runtime.device, self.cuda,
+            )  # fmt: skip
+            newest_of_slot.update(zip(step_slots.tolist(), newest.tolist(), strict=True))
         if newest_of_slot:
             pending[np.fromiter(newest_of_slot, np.int64)] = np.fromiter(newest_of_slot.values(), np.int64)
 
@@ -106,3 +91,38 @@ class PooledCaptures:
                 slots, data = reads[item.site]
                 row = data.numpy()[int(np.searchsorted(slots, state.slot))]
                 item.pooled = (row[:width].copy(), float(row[width]), row[width + 1 :].copy())
+
+
+def fold_group(
+    pool: SiteAccumulators,
+    mode: int,
+    source: torch.Tensor,
+    rows: np.ndarray,
+    slots: np.ndarray,
+    positions: np.ndarray,
+    pending: np.ndarray,
+    device: torch.device,
+    cuda: bool,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Fold ``source[rows]`` (sorted by slot, then position) into ``pool`` by ``mode``: each
+    slot's pending row from an earlier step first (``pending[slot] >= 0``), then its earlier rows
+    of this step; its newest row becomes the pending one.  Returns the slots that got a new
+    pending row and its position; the caller records them in ``pending``."""
+    newest = np.r_[slots[1:] != slots[:-1], True]  # per slot, the row with the highest position
+    step_slots, step_rows = slots[newest], rows[newest]
+    earlier = ~newest
+    if mode == MODES["last"]:  # of the earlier rows only the last per slot matters
+        earlier &= np.r_[newest[1:], False]
+    carried = step_slots[pending[step_slots] >= 0]
+    parts = [carried, rows[earlier], slots[earlier], step_slots, step_rows]
+    index = device_index(np.concatenate(parts), device, cuda)
+    bounds = np.cumsum([0, *(len(part) for part in parts)]).tolist()
+    carried_t, earlier_rows, earlier_slots, step_slots_t, step_rows_t = (
+        index[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)
+    )
+    if len(carried):
+        pool.fold(mode, pool.pending, carried_t, carried_t)
+    if earlier.any():
+        pool.fold(mode, source, earlier_rows, earlier_slots)
+    pool.stash(source, step_rows_t, step_slots_t)
+    return step_slots, positions[newest]

@@ -18,12 +18,14 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-MODES = {"mean": 0, "last": 1, "max_norm": 2}
-"""The reductions computed on the device (every ``Capture.reduce`` but ``none``), by their code."""
+MODES = {"mean": 0, "last": 1, "max_norm": 2, "max": 3}
+"""The reductions computed on the device (every ``Capture.reduce`` but ``none``), by their code;
+``max`` (per entry) is for SAE features (``feature_captures.py``)."""
 
 
 class SiteAccumulators:
-    """The accumulators of one site: sum (mean), last row, best row and its norm (max_norm)."""
+    """The accumulators of one site (or SAE): sum (mean), last row, best row and its norm
+    (max_norm), or each entry's largest value (max)."""
 
     def __init__(self, hidden_size: int, device: torch.device, capacity: int = 64) -> None:
         self.hidden_size = hidden_size
@@ -63,6 +65,8 @@ class SiteAccumulators:
             self.rows.index_add_(0, slots, x)
         elif mode == MODES["last"]:
             self.rows.index_copy_(0, slots, x)
+        elif mode == MODES["max"]:  # entries are SAE feature activations, never negative: rows start at 0
+            self.rows.scatter_reduce_(0, slots[:, None].expand_as(x), x, "amax")
         else:
             self._fold_max_norm(x, slots)
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from inspect_tl_vllm.instrument.feature_captures import FeatureCaptures, FeatureReads
 from inspect_tl_vllm.instrument.host_copies import MAX_IN_FLIGHT, HostCopies, InFlight, PerToken
 from inspect_tl_vllm.instrument.plans import SCOPE_CODES, RequestState, scopes_cover
 from inspect_tl_vllm.instrument.pooled_captures import PooledCaptures, PooledReads
@@ -48,9 +49,10 @@ class _StepWork:
     steer: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)  # item slots, sites, rows
     pooled: list[tuple[np.ndarray, ...]] = field(default_factory=list)  # sites, modes, rows, slots, positions
     per_token: list[PerToken] = field(default_factory=list)
+    features: list[tuple[np.ndarray, ...]] = field(default_factory=list)  # slots, rows, positions (SAE captures)
 
     def __bool__(self) -> bool:
-        return bool(self.steer or self.pooled or self.per_token)
+        return bool(self.steer or self.pooled or self.per_token or self.features)
 
 
 class StepRouter:
@@ -90,6 +92,7 @@ class StepRouter:
         self._receipts = SteeringReceipts(runtime, self.sites, collect=collect, cuda=self.cuda)
         self._pooled = PooledCaptures(runtime, self.cuda)
         self._copies = HostCopies(runtime, on_capture_complete=on_capture_complete, chunk_rows=chunk_rows)
+        self._features = FeatureCaptures(runtime, self.cuda, self._copies.to_host)
         self._retiring: list[RequestState] = []
         self._work: _StepWork | None = None
         self._in_flight: list[InFlight] = []
@@ -107,6 +110,8 @@ class StepRouter:
             self._receipts.admit(item)
         if self.collect and state.pooled:
             self._pooled.admit(state)
+        if self.collect and state.encoder is not None:
+            self._features.admit(state)
         self._live[state.slot] = state
         self._layout = None
 
@@ -130,6 +135,7 @@ class StepRouter:
         for j in np.nonzero(self._dirty)[0]:
             table[j, : self._dirty[j]] = self._identity
         self._pooled.flush_resets()
+        self._features.flush_resets()
         self._receipts.flush_admissions()
         if self._retiring:
             self._in_flight.append(self._launch_retire(self._retiring))
@@ -169,10 +175,13 @@ class StepRouter:
         )
         if len(layout.s_state):
             self._steer_decode(layout, decode, starts, first, fresh, used, work)
-        if self.collect and (layout.per_token or layout.pooled.any()):
+        if self.collect and (layout.per_token or layout.pooled.any() or layout.features.any()):
             captured = self._captured_decode_rows(layout, decode, first, fresh)
             if (captured & layout.pooled).any():
                 self._pool_decode(layout, captured & layout.pooled, starts, first, work)
+            encoded = captured & layout.features
+            if encoded.any():
+                work.features.append((layout.slot[encoded], starts[encoded], first[encoded]))
             for k in layout.per_token:
                 state = layout.states[k]
                 if captured[k] and state.error is None:
@@ -252,7 +261,9 @@ class StepRouter:
         if idx.size == 0:
             return
         rows, kept = start + idx, positions[idx]
-        if state.pooled:
+        if state.encoder is not None:
+            work.features.append((np.full(idx.size, state.slot, dtype=np.int64), rows, kept))
+        elif state.pooled:
             self._requests["captured"][state.slot] += idx.size
             mode = MODES[state.reduce]
             for item in state.capture:
@@ -286,21 +297,32 @@ class StepRouter:
         if work.pooled:
             pending = self._requests["pending"]
             self._pooled.fold(pending, *(np.concatenate(parts) for parts in zip(*work.pooled, strict=True)))
-        if not work.per_token:
+        features = []
+        if work.features:
+            slots, rows, positions = (np.concatenate(parts) for parts in zip(*work.features, strict=True))
+            features = self._features.launch(slots, rows, positions)
+        if not work.per_token and not features:
             return None
-        return self._copies.launch(work.per_token)
+        flight = self._copies.launch(work.per_token) if work.per_token else InFlight()
+        flight.features = features
+        if flight.event is None:
+            flight.event = self._copies.record()
+        return flight
 
     def _launch_retire(self, states: list[RequestState]) -> InFlight:
         """Read the retiring requests' pooled rows and receipts; their slots are freed once this lands."""
         flight = InFlight(retired=states)
-        flight.pooled_reads, flight.receipt_reads = self._read_results(states, self._copies.to_host)
+        flight.pooled_reads, flight.receipt_reads, flight.feature_reads = self._read_results(
+            states, self._copies.to_host
+        )
         flight.event = self._copies.record()
         return flight
 
     def _complete(self, flight: InFlight) -> None:
         self._copies.land(flight)
+        self._features.land(flight.features)
         for state in flight.retired:
-            self._settle(state, flight.pooled_reads, flight.receipt_reads)
+            self._settle(state, flight.pooled_reads, flight.receipt_reads, flight.feature_reads)
             self._free(state)
 
     # -- reading results ------------------------------------------------------------------
@@ -312,28 +334,35 @@ class StepRouter:
         live = [state for state in states if state.slot >= 0]  # retired ones are already settled
         if not live:
             return
-        reads, receipts = self._read_results(live, torch.Tensor.cpu)
+        reads, receipts, features = self._read_results(live, torch.Tensor.cpu)
         for state in live:
-            self._settle(state, reads, receipts)
+            self._settle(state, reads, receipts, features)
 
     def _read_results(
         self, states: list[RequestState], to_host: Callable[[torch.Tensor], torch.Tensor]
-    ) -> tuple[PooledReads, ReceiptReads | None]:
-        """The pooled rows and receipt sums of ``states``, copied by ``to_host``: one read per
-        site and one for all receipts, however many requests (each read is a device round trip)."""
+    ) -> tuple[PooledReads, ReceiptReads | None, FeatureReads]:
+        """The pooled rows, receipt sums and SAE accumulators of ``states``, copied by ``to_host``:
+        one read per site or SAE and one for all receipts, however many requests (each read is a
+        device round trip)."""
         if not self.collect:
-            return {}, None
+            return {}, None, FeatureReads()
         pooled_reads = self._pooled.read(states, to_host)
-        return pooled_reads, self._receipts.read([item for s in states for item in s.steer], to_host)
+        receipts = self._receipts.read([item for s in states for item in s.steer], to_host)
+        return pooled_reads, receipts, self._features.read(states, to_host)
 
-    def _settle(self, state: RequestState, reads: PooledReads, receipts: ReceiptReads | None) -> None:
+    def _settle(
+        self, state: RequestState, reads: PooledReads, receipts: ReceiptReads | None, features: FeatureReads
+    ) -> None:
         self._receipts.settle(state.steer, receipts)
+        if self.collect:
+            self._features.settle(state, features)
         state.captured = int(self._requests["captured"][state.slot])
         state.pending_pos = int(self._requests["pending"][state.slot])
         if state.pooled:
             self._pooled.settle(state, reads)
 
     def _free(self, state: RequestState) -> None:
+        self._features.free(state)
         self._requests.free.append(state.slot)
         state.slot = -1
         self._receipts.free(state.steer)

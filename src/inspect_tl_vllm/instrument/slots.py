@@ -57,6 +57,7 @@ class Layout:
     capture_kind: np.ndarray  # scope code of the capture, -1 without one
     prompt_len: np.ndarray
     pooled: np.ndarray  # bool: pooled captures (reduced on the device)
+    features: np.ndarray  # bool: SAE captures (encoded on the device, feature_captures.py)
     per_token: list[int]  # states with per-token captures (host path)
     # steering items, flattened over the live requests
     s_state: np.ndarray
@@ -90,7 +91,8 @@ class Layout:
             capture_kind=np.array(capture_kind, dtype=np.int64),
             prompt_len=np.array([s.prompt_len for s in states], dtype=np.int64),
             pooled=np.array([s.pooled for s in states], dtype=bool),
-            per_token=[k for k, s in enumerate(states) if s.capture and not s.pooled],
+            features=np.array([s.encoder is not None for s in states], dtype=bool),
+            per_token=[k for k, s in enumerate(states) if s.capture and not s.pooled and s.encoder is None],
             s_state=np.array([k for k, _ in steer], dtype=np.int64),
             s_slot=np.array([item.slot for _, item in steer], dtype=np.int64),
             s_site=np.array([item.site for _, item in steer], dtype=np.int64),
