@@ -29,7 +29,8 @@
 #                                          # local disk and in a moto S3 server on localhost (bundle moto[server]
 #                                          # and s3fs), 3 rounds (~5 min)
 #   bash bench/gpu_run.sh sae-8b OUTDIR   # a 65,536-feature SAE at layer 16: steer by a feature, clamp one,
-#                                          # capture the top 32 features per token; beside steer (~6 min)
+#                                          # capture the top 32 features per token and of the answer's mean;
+#                                          # beside steer and the same hook captured raw per token (~7 min)
 #   bash bench/gpu_run.sh sae-capture-8b OUTDIR  # SAE capture per token against the same rows captured raw,
 #                                          # and over the prompt only, 3 rounds (~5 min)
 # The peers steps install hotwire from bench/peers/ into /tmp/tlvllm-hotwire, a folder on no
@@ -140,7 +141,7 @@ case "$step" in
     ;;
   sae-8b)
     timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 5 \
-      --weights scaled --variants vanilla,plain,steer,sae_steer,sae_clamp,sae_capture \
+      --weights scaled --variants vanilla,plain,steer,sae_steer,sae_clamp,sae_capture,sae_capture_mean,capture_tokens \
       --out "$out/throughput_8b_sae.json" >"$log" 2>&1
     ;;
   sae-capture-8b)

@@ -40,7 +40,8 @@ and, only when named in ``--variants``:
   SAELens' format, bfloat16).  ``sae_steer`` adds feature ``k % 64`` to request k (coef 4, the
   receipt reporting the feature before and after), ``sae_clamp`` clamps it to 4,
   ``sae_capture`` captures every request's top 32 features per token, prompt and answer, and
-  ``sae_capture_prompt`` the same over the prompt only.
+  ``sae_capture_prompt`` the same over the prompt only, and ``sae_capture_mean`` the top 32 of
+  the mean features over the answer (one row per request).
 - ``capture_tokens``: every request captures ``blocks.{L//2}.hook_resid_post`` per token, prompt
   and answer, in bfloat16: ``sae_capture``'s rows without the SAE.
 - ``hotwire``: the peer project hotwire-vllm (a vLLM general plugin that steers inside CUDA
@@ -516,7 +517,7 @@ def s3_server(needed: bool) -> Iterator[None]:
 
 
 SAE_FEATURES = 1 << 16
-SAE_VARIANTS = ("sae_steer", "sae_clamp", "sae_capture", "sae_capture_prompt")
+SAE_VARIANTS = ("sae_steer", "sae_clamp", "sae_capture", "sae_capture_prompt", "sae_capture_mean")
 
 
 def random_sae(scratch: str, width: int, hook: str) -> str:
@@ -564,6 +565,8 @@ def variant_specs(
     if variant in ("sae_capture", "sae_capture_prompt"):
         positions = "prompt" if variant == "sae_capture_prompt" else "all"
         return [{"capture": {"sae": sae, "top_k": 32, "positions": positions}} for _ in vectors]
+    if variant == "sae_capture_mean":
+        return [{"capture": {"sae": sae, "top_k": 32, "reduce": "mean", "positions": "generated"}} for _ in vectors]
     if variant == "capture_tokens":
         return [{"capture": {"hooks": [f"blocks.{middle}.hook_resid_post"], "dtype": "bfloat16"}} for _ in vectors]
     if variant in ("steer", "steer_zero"):

@@ -213,6 +213,7 @@ def test_feature_capture_is_sae_lens_encode_kept_sparse(tiny_engine, tmp_path):
     ("capture", "fragment"),
     [
         ({"hooks": [HOOK], "top_k": 4}, "top_k: only an SAE capture takes these"),
+        ({"hooks": [HOOK], "features": [1]}, "features: only an SAE capture takes these"),
         ({"hooks": [HOOK], "reduce": "max"}, "'max' is per SAE feature"),
         ({}, "name at least one hook point"),
         ({"sae": "x", "reduce": "max_norm"}, "reduces per feature"),
@@ -237,3 +238,10 @@ def test_densify_checks_its_input():
         densify(torch.tensor([[4]]), torch.tensor([[1.0]]), 4)
     with pytest.raises(ValueError, match="must be"):
         densify(torch.tensor([1]), torch.tensor([1.0]), 4)
+
+
+def test_a_dumped_capture_spec_parses_again():
+    """Solvers and the run-wide spec travel as ``model_dump()``: every default comes back set."""
+    for capture in ({"hooks": [HOOK], "reduce": "last"}, {"sae": "x", "top_k": 8, "reduce": "max"}):
+        spec = parse_request_spec({"capture": capture})
+        assert parse_request_spec(spec.model_dump()) == spec

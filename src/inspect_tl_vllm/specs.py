@@ -255,7 +255,13 @@ class Capture(BaseModel):
         if self.sae is None:
             if not self.hooks:
                 raise SpecError("hooks: name at least one hook point to capture (or give sae to capture its features)")
-            extra = sorted({"top_k", "features"} & self.model_fields_set)
+            # values, not fields set: a dumped spec (model_dump) carries every default back in
+            default_top_k = type(self).model_fields["top_k"].default
+            extra = [
+                name
+                for name, off in (("top_k", self.top_k == default_top_k), ("features", self.features is None))
+                if not off
+            ]
             if extra:
                 raise SpecError(f"{', '.join(extra)}: only an SAE capture takes these; give sae")
             if self.reduce == "max":
