@@ -92,6 +92,8 @@ class FeatureCaptures:
         self.pending = np.full(64, -1, dtype=np.int64)  # per slot: position of the pending row (pooled)
         self.resets: dict[int, list[int]] = {}
         self.states: dict[int, RequestState] = {}  # request slot -> its request, while it holds the slot
+        self.group_of = np.zeros(64, dtype=np.int64)  # per slot: its encoding group (``group_key``), numbered
+        self.groups: dict[tuple[Any, ...], int] = {}
 
     # -- requests -------------------------------------------------------------------------
     def admit(self, state: RequestState) -> None:
@@ -99,9 +101,11 @@ class FeatureCaptures:
             size = max(state.slot + 1, 2 * len(self.count))
             self.count = np.resize(self.count, size)
             self.pending = np.resize(self.pending, size)
+            self.group_of = np.resize(self.group_of, size)
         self.count[state.slot] = 0
         self.pending[state.slot] = -1
         self.states[state.slot] = state
+        self.group_of[state.slot] = self.groups.setdefault(group_key(state), len(self.groups))
         if pooled(state):
             key = id(state.encoder)
             if key not in self.pools:
@@ -124,12 +128,10 @@ class FeatureCaptures:
         cursors = self.count[slots] + np.arange(len(slots)) - first
         np.add.at(self.count, slots, 1)
         flights = []
-        groups: dict[tuple[Any, ...], list[int]] = {}
-        for slot in np.unique(slots).tolist():
-            groups.setdefault(group_key(self.states[slot]), []).append(slot)
-        for members in groups.values():
-            mine = np.isin(slots, members)
-            state = self.states[members[0]]
+        group = self.group_of[slots]
+        for number in np.unique(group).tolist():
+            mine = group == number
+            state = self.states[int(slots[np.argmax(mine)])]  # the group's settings are any member's
             site = state.capture[0].site
             if pooled(state):
                 self._fold(state, slots[mine], rows[mine], positions[mine], site)
@@ -169,7 +171,9 @@ class FeatureCaptures:
             parts.append(torch.cat([values, indices.float()], dim=1))
         packed = torch.cat(parts)
         width = packed.shape[1]
-        arena = self.arenas.setdefault(width, Arena(width))
+        if width not in self.arenas:
+            self.arenas[width] = Arena(width)
+        arena = self.arenas[width]
         arena.ensure(int(slots.max()) + 1, int(cursors.max()) + 1)
         return FeatureFlight(width, slots, cursors, positions, self.to_host(packed))
 
