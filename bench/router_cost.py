@@ -5,9 +5,9 @@
 The router's ``begin_step`` / ``end_step`` run on vLLM's critical path: at 256 concurrent
 requests an 8B decode step on an H200 is ~11 ms, most of it vLLM's own host work, so every
 tenth of a millisecond the router adds can show in throughput.  This drives a
-real ``StepRouter`` through a prefill step and then decode steps for three workloads (every
-request steered at one site, every request capturing one site reduced by mean, and nothing
-requested) and prints the median host time per decode step, as wall time and as the thread's
+real ``StepRouter`` through a prefill step and then decode steps for four workloads (every
+request steered at one site, every request capturing one site reduced by mean, every request
+capturing the top 32 features of a stand-in SAE per token, and nothing requested) and prints the median host time per decode step, as wall time and as the thread's
 CPU time.  It runs on the GPU when there is one (device copies and kernel launches included)
 and on the CPU otherwise.  Set against the worker's ``host_seconds`` in the throughput bench
 (which records both too), it tells the router's own cost apart from time the worker spends
@@ -23,6 +23,7 @@ import pstats
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -30,11 +31,25 @@ import torch
 from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope, SteerItem
 from inspect_tl_vllm.instrument.routing import StepRouter
 from inspect_tl_vllm.instrument.runtime import HookRuntime
+from inspect_tl_vllm.wire import FeaturesWire
 
 PROMPT_LEN = 40
+SAE_FEATURES = 1024  # the stand-in SAE's width: the host work does not depend on it
 
 
-def states(workload: str, count: int, site: int) -> list[RequestState]:
+class StandInEncoder:
+    """An SAE encoder for the ``features`` workload: a ReLU of one matmul, as cheap as it gets,
+    so that what is measured is the router's host work around it."""
+
+    def __init__(self, width: int, device: torch.device) -> None:
+        self.d_sae = SAE_FEATURES
+        self.weight = torch.randn(width, SAE_FEATURES, device=device, dtype=torch.bfloat16) / width**0.5
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        return (rows @ self.weight).float().relu()
+
+
+def states(workload: str, count: int, site: int, encoder: Any = None) -> list[RequestState]:
     out = []
     for i in range(count):
         state = RequestState(uid=f"r{i}", prompt_len=PROMPT_LEN, steer=[], capture=[])
@@ -45,6 +60,11 @@ def states(workload: str, count: int, site: int) -> list[RequestState]:
             state.capture = [CaptureItem(hook="h", site=site)]
             state.capture_scope = Scope.resolve("all", PROMPT_LEN)
             state.reduce = "mean"
+        elif workload == "features":  # top 32 SAE features per token (instrument/feature_captures.py)
+            state.capture = [CaptureItem(hook="h", site=site)]
+            state.capture_scope = Scope.resolve("all", PROMPT_LEN)
+            state.features = FeaturesWire(sae="-", top_k=32, features=None, reduce="none")
+            state.encoder = encoder
         out.append(state)
     return out
 
@@ -62,7 +82,8 @@ def run(workload: str, args: argparse.Namespace, device: torch.device) -> list[t
     )
     router = StepRouter(runtime)
     site = args.sites // 2
-    requests = states(workload, args.requests, site) if workload != "plain" else []
+    encoder = StandInEncoder(args.width, device) if workload == "features" else None
+    requests = states(workload, args.requests, site, encoder) if workload != "plain" else []
     for state in requests:
         router.admit(state)
     n = len(requests)
@@ -95,7 +116,7 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = {"device": str(device), "requests": args.requests, "width": args.width, "sites": args.sites}
-    for workload in ("plain", "steer", "capture_mean"):
+    for workload in ("plain", "steer", "capture_mean", "features"):
         times = run(workload, args, device)[10:]
         result[f"{workload}_ms_per_step"] = round(1e3 * statistics.median(wall for wall, _ in times), 3)
         result[f"{workload}_cpu_ms_per_step"] = round(1e3 * statistics.median(cpu for _, cpu in times), 3)
