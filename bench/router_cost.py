@@ -4,14 +4,15 @@
 
 The router's ``begin_step`` / ``end_step`` run on vLLM's critical path: at 256 concurrent
 requests an 8B decode step on an H200 is ~11 ms, most of it vLLM's own host work, so every
-tenth of a millisecond the router adds can show in throughput.  This drives a
-real ``StepRouter`` through a prefill step and then decode steps for four workloads (every
-request steered at one site, every request capturing one site reduced by mean, every request
-capturing the top 32 features of a stand-in SAE per token, and nothing requested) and prints the median host time per decode step, as wall time and as the thread's
-CPU time.  It runs on the GPU when there is one (device copies and kernel launches included)
-and on the CPU otherwise.  Set against the worker's ``host_seconds`` in the throughput bench
-(which records both too), it tells the router's own cost apart from time the worker spends
-waiting (for the GIL, or for the device) inside vLLM.
+tenth of a millisecond the router adds can show in throughput.  This drives a real
+``StepRouter`` through a prefill step and then decode steps for four workloads (every request
+steered at one site, every request capturing one site reduced by mean, every request capturing
+the top 32 features of a stand-in SAE per token, and nothing requested) and prints the median
+host time per decode step, as wall time and as the thread's CPU time.  It runs on the GPU when
+there is one (device copies and kernel launches included) and on the CPU otherwise.  Set
+against the worker's ``host_seconds`` in the throughput bench (which records both too), it tells
+the router's own cost apart from time the worker spends waiting (for the GIL, or for the
+device) inside vLLM.
 """
 
 from __future__ import annotations

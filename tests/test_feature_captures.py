@@ -87,3 +87,23 @@ def test_features_of_two_requests_over_chunked_steps(monkeypatch, reduce: str, s
             torch.testing.assert_close(tensors[values_key], values)
             assert torch.equal(tensors[indices_key], indices.int())
         assert result.receipt.captures == {"h": len(rows)} and result.receipt.error is None
+
+
+def test_features_that_are_not_finite_fail_their_request_only() -> None:
+    encoder = Encoder()
+    runtime = cpu_hook_runtime(WIDTH)
+    router = StepRouter(runtime)
+    bad, good = feature_state("bad", 2, "none", encoder), feature_state("good", 2, "mean", encoder)
+    for state in (bad, good):
+        router.admit(state)
+    router.begin_step(np.array([0, 1]), np.array([0, 2, 4]), np.array([0, 0]))
+    runtime.sites[0].staging[:4] = torch.randn(4, WIDTH)
+    runtime.sites[0].staging[1, 0] = float("nan")
+    router.end_step()
+    router.drain()
+    router.snapshot([bad, good])
+    packer = ResultPacker(WIDTH)
+    assert (
+        packer.pack(bad, 1, folder=None).receipt.error == "the SAE features captured at h are not finite (NaN or inf)"
+    )
+    assert packer.pack(good, 1, folder=None).receipt.error is None

@@ -1,6 +1,8 @@
 """Sparse autoencoders in SAELens' format: built and saved by ``sae-lens`` itself, read here and
-encoded as ``sae-lens`` encodes; steering by a feature adds that feature's decoder row, on the real
-CPU engine; bad folders, features and hook points fail by name."""
+encoded as ``sae-lens`` encodes.  On the real CPU engine: steering by a feature adds its decoder
+row, clamping sets its activation through the decoder, receipts report the feature before and
+after, and captures return its features as sae-lens encodes the engine's rows.  Bad folders,
+features, hook points and capture fields fail by name."""
 
 from __future__ import annotations
 

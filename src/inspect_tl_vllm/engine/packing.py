@@ -1,7 +1,7 @@
 """Worker side: a finished request's results as the ``wire.FetchedResult`` the front end reads.
 
 Results are checked here, where the rows are: a capture holding NaN or inf fails its request
-(per-token rows are checked as they land, ``instrument/host_copies.py``).  Pooled captures (one
+(per-token rows are checked as they land, ``instrument/host_copies.py``; SAE features here).  Pooled captures (one
 row per hook point) travel inside the answer; per-token rows go to a
 hand-off file when the front end shares the host (``handoff.py``).  A capture that ends inside
 the prompt is complete long before its request, so it is written out early, on a writer
@@ -96,6 +96,7 @@ class ResultPacker:
             keep = keep[positions[keep] <= max_pos]
             k = rows.shape[1] // 2
             kept = torch.from_numpy(rows[keep])
+            _check_features(state, hook, kept[:, :k])
             state.capture[0].rows_kept = len(keep)
             indices = kept[:, k:].to(torch.int32)
             return {indices_key: indices, values_key: kept[:, :k].to(dtype).contiguous()}, positions[keep].tolist()
@@ -112,6 +113,7 @@ class ResultPacker:
         else:
             row = pending if keep else reduced
         dense = torch.from_numpy(np.ascontiguousarray(row, dtype=np.float32))[None]
+        _check_features(state, hook, dense)
         if wire.features is not None:
             wanted = torch.tensor(wire.features, dtype=torch.int64)
             indices, values = wanted[None], dense.index_select(1, wanted)
@@ -143,6 +145,12 @@ class ResultPacker:
 
         state.written = self._writer.submit(write)
         self.written_early += 1
+
+
+def _check_features(state: RequestState, hook: str, values: torch.Tensor) -> None:
+    """Fail the request if its SAE features are not finite (its rows were not, or the SAE overflowed)."""
+    if state.error is None and not bool(torch.isfinite(values).all()):
+        state.error = f"the SAE features captured at {hook} are not finite (NaN or inf)"
 
 
 def early_writes() -> bool:

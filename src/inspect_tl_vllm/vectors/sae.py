@@ -9,6 +9,10 @@ Architectures: ``standard`` (ReLU), ``jumprelu`` (Gemma Scope) and ``topk`` (``k
 (``blocks.N.hook_resid_post`` ...). Input normalisations other than ``none`` and ``hook_z``
 reshaping are refused by name rather than approximated. Weights are read with safetensors only,
 never unpickled, and checked for shape and finiteness when loaded.
+
+What the engine takes from an SAE: a feature's decoder row and encoder (``feature_steering``, for
+steering and clamping), and the encoder on a worker's device (``encoder_on``, for captures,
+``instrument/feature_captures.py``).  ``densify`` turns a capture's sparse rows back into dense ones.
 """
 
 from __future__ import annotations
@@ -78,52 +82,6 @@ class SparseAutoencoder:
         moved = {name: getattr(self, name).to(device, dtype) for name in ("W_enc", "b_enc", "b_dec")}
         threshold = self.threshold.to(device) if self.threshold is not None else None
         return dataclasses.replace(self, threshold=threshold, _decoder_norms=norms, **moved)
-
-    def features_of(
-        self,
-        rows: torch.Tensor,
-        *,
-        reduce: str = "none",
-        top_k: int = 32,
-        features: list[int] | None = None,
-        chunk_rows: int = 1024,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The sparse feature activations of ``rows`` [n, d_in]: (indices int32, values float32),
-        each [n, k] for ``reduce="none"`` or [1, k] reduced over the rows in feature space (``mean``,
-        ``max`` per feature, ``last`` row).  k is ``top_k`` (the largest, in descending order) or
-        the listed ``features`` (in their order).  Encoded on this SAE's device, ``chunk_rows`` rows
-        at a time, so that a long capture never holds [n, d_sae] at once."""
-        device = self.W_enc.device
-        wanted = torch.tensor(features, dtype=torch.int64, device=device) if features is not None else None
-        k = min(top_k, self.d_sae)
-
-        def keep(acts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            if wanted is not None:
-                return wanted.expand(acts.shape[0], -1), acts.index_select(1, wanted)
-            values, indices = acts.topk(k, dim=-1)
-            return indices, values
-
-        if reduce == "last":
-            rows = rows[-1:]
-        kept: list[tuple[torch.Tensor, torch.Tensor]] = []
-        total: torch.Tensor | None = None
-        for start in range(0, rows.shape[0], chunk_rows):
-            acts = self.encode(rows[start : start + chunk_rows].to(device))
-            if reduce in ("none", "last"):
-                kept.append(keep(acts))
-            elif reduce == "mean":
-                part = acts.sum(0, keepdim=True, dtype=torch.float64)
-                total = part if total is None else total + part
-            else:
-                part = acts.amax(0, keepdim=True)
-                total = part if total is None else torch.maximum(total, part)
-        if total is not None:
-            kept = [keep((total / rows.shape[0]).float() if reduce == "mean" else total)]
-        if not kept:
-            empty = torch.zeros(0, len(features) if features is not None else k)
-            return empty.to(torch.int32), empty
-        indices = torch.cat([i for i, _ in kept]).to(device="cpu", dtype=torch.int32)
-        return indices, torch.cat([v for _, v in kept]).float().cpu()
 
     def decoder_row(self, feature: int, where: str) -> torch.Tensor:
         """Feature ``feature``'s decoder direction (what adding the feature adds), float32 [d_in]."""
