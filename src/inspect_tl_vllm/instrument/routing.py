@@ -15,7 +15,8 @@ Prefill chunks, listed positions and per-token captures take a per-request path.
 After the step, ``end_step`` hands what the step's requests need to the modules that
 account it, all without waiting for the device: steered rows' norm changes to device-side
 receipt sums (``steering_receipts.py``), pooled captures to device accumulators
-(``pooled_captures.py``), and per-token captures to pinned host copies (``host_copies.py``)
+(``pooled_captures.py``), SAE captures to their encoding on the device
+(``feature_captures.py``), and per-token captures to pinned host copies (``host_copies.py``)
 that land a step or more later.  When a request retires, or its results are fetched, its
 device counters are read back and settled into its ``RequestState``.
 
