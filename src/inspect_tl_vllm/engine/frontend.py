@@ -188,8 +188,10 @@ class Instrumentation:
             )
         capture = None
         if spec.capture is not None:
-            features = self._features(spec.capture, f"{where}: capture") if spec.capture.sae is not None else None
-            names = [load_sae(spec.capture.sae).hook] if features is not None else spec.capture.hooks
+            features, names = None, spec.capture.hooks
+            if spec.capture.sae is not None:
+                features, sae_hook = self._features(spec.capture, f"{where}: capture")
+                names = [sae_hook]
             hooks = [(h, self.site(h, f"{where}: capture.hooks").index) for h in names]
             _check_reach(spec.capture.positions, prompt_len, max_tokens, f"{where}: capture.positions")
             per_token = spec.capture.reduce == "none" or features is not None
@@ -205,7 +207,7 @@ class Instrumentation:
             capture = CaptureWire(
                 hooks=hooks,
                 positions=spec.capture.positions,
-                reduce="none" if features is not None else spec.capture.reduce,  # SAE: reduced when packed
+                reduce="none" if features is not None else spec.capture.reduce,  # SAE: features.reduce
                 dtype=spec.capture.dtype,
                 max_bytes=self.settings.capture_bytes_per_request,
                 handoff=self.handoff.ticket() if per_token else None,
@@ -218,8 +220,9 @@ class Instrumentation:
             salt = hashlib.sha256(json.dumps(encoded, sort_keys=True).encode()).hexdigest()[:24]
         return PreparedRequest(uid, wire, vectors, salt, capture is not None, spec)
 
-    def _features(self, capture: Capture, where: str) -> FeaturesWire:
-        """An SAE capture's wire form, its SAE checked against the model and the capture's fields."""
+    def _features(self, capture: Capture, where: str) -> tuple[FeaturesWire, str]:
+        """An SAE capture's wire form and its SAE's hook point, the SAE checked against the model
+        and the capture's fields."""
         assert capture.sae is not None
         sae = load_sae(capture.sae, f"{where}.sae")
         if capture.hooks and capture.hooks != [sae.hook]:
@@ -236,7 +239,8 @@ class Instrumentation:
             raise SpecError(f"{where}.features: {past[:5]} out of range; {sae.path} has features 0..{sae.d_sae - 1}")
         if capture.features is None and capture.top_k > sae.d_sae:
             raise SpecError(f"{where}.top_k: {capture.top_k} is more than the SAE's {sae.d_sae} features")
-        return FeaturesWire(sae=str(sae.path), top_k=capture.top_k, features=capture.features, reduce=capture.reduce)
+        wire = FeaturesWire(sae=str(sae.path), top_k=capture.top_k, features=capture.features, reduce=capture.reduce)
+        return wire, sae.hook
 
     def pending_upload(self, requests: list[PreparedRequest | None]) -> VectorUpload | None:
         """The upload that gives the workers' bank every vector of ``requests`` (None: they have
