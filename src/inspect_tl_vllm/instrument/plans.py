@@ -305,7 +305,7 @@ def plan_request(
 
 
 def _check_features(wire: FeaturesWire, reduce: str, hooks: int) -> None:
-    """An SAE capture travels as a per-token capture of one hook point, reduced in feature space when packed."""
+    """An SAE capture travels as a capture of one hook point; its own reduce applies in feature space."""
     if reduce != "none" or hooks != 1:
         raise ValueError("capture: an SAE capture is sent as reduce 'none' over its one hook point")
     if wire.reduce not in ("none", "mean", "max", "last") or not 1 <= wire.top_k <= MAX_TOP_K:
