@@ -247,3 +247,15 @@ def test_a_dumped_capture_spec_parses_again():
     for capture in ({"hooks": [HOOK], "reduce": "last"}, {"sae": "x", "top_k": 8, "reduce": "max"}):
         spec = parse_request_spec({"capture": capture})
         assert parse_request_spec(spec.model_dump()) == spec
+
+
+def test_the_feature_scorer_refuses_features_the_sae_lacks(tmp_path):
+    from inspect_tl_vllm.research.features import sae_feature
+
+    saved_sae(tmp_path / "sae", "standard")
+    for feature, fragment in [(256, r"feature 256 is out of range; .* has features 0..255"), (-1, "whole number"),
+                              (1.5, "whole number"), (2**24, "whole number")]:  # fmt: skip
+        with pytest.raises(SpecError, match=fragment):
+            sae_feature(str(tmp_path / "sae"), feature)
+    with pytest.raises(SpecError, match="not an SAE folder"):
+        sae_feature(str(tmp_path / "nothing"), 0)

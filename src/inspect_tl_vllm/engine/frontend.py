@@ -229,11 +229,7 @@ class Instrumentation:
             raise SpecError(
                 f"{where}.hooks: the SAE at {sae.path} reads {sae.hook!r}, not {capture.hooks[0]!r}; omit hooks"
             )
-        if sae.d_in != self.hidden_size:
-            raise SpecError(
-                f"{where}.sae: the SAE at {sae.path} reads {sae.d_in}-wide activations but the model's hidden size "
-                f"is {self.hidden_size}; was it trained on another model?"
-            )
+        sae.check_width(self.hidden_size, f"{where}.sae")
         past = [f for f in capture.features or () if f >= sae.d_sae]
         if past:
             raise SpecError(f"{where}.features: {past[:5]} out of range; {sae.path} has features 0..{sae.d_sae - 1}")

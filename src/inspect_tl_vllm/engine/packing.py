@@ -71,13 +71,13 @@ class ResultPacker:
         dtype = TORCH_DTYPES[state.dtype]
         tensors, positions = {}, {}
         for item in state.capture:
-            kept, rows = item.per_token(max_pos)
             if state.features is not None:
                 features, kept = self._features(state, item.hook, max_pos)
                 tensors.update(features)
                 if state.features.reduce == "none":
                     positions.update({key: kept for key in features})
                 continue
+            kept, rows = item.per_token(max_pos)
             positions[item.hook] = kept
             tensors[item.hook] = torch.zeros(0, self.hidden_size, dtype=dtype) if rows is None else rows.to(dtype)
         return tensors, positions

@@ -32,6 +32,7 @@ from inspect_tl_vllm.instrument.plans import RequestState
 from inspect_tl_vllm.instrument.pooled_captures import fold_group
 from inspect_tl_vllm.instrument.pooling import MODES, SiteAccumulators, device_index
 from inspect_tl_vllm.instrument.runtime import HookRuntime
+from inspect_tl_vllm.wire import FeaturesWire
 
 CHUNK_ROWS = 512
 """Rows encoded at once: [512, d_sae] float32 is 128 MiB for a 65,536-feature SAE."""
@@ -94,6 +95,7 @@ class FeatureCaptures:
         self.states: dict[int, RequestState] = {}  # request slot -> its request, while it holds the slot
         self.group_of = np.zeros(64, dtype=np.int64)  # per slot: its encoding group (``group_key``), numbered
         self.groups: dict[tuple[Any, ...], int] = {}
+        self.wanted: dict[int, torch.Tensor] = {}  # group number -> its listed features, on the device
 
     # -- requests -------------------------------------------------------------------------
     def admit(self, state: RequestState) -> None:
@@ -105,7 +107,10 @@ class FeatureCaptures:
         self.count[state.slot] = 0
         self.pending[state.slot] = -1
         self.states[state.slot] = state
-        self.group_of[state.slot] = self.groups.setdefault(group_key(state), len(self.groups))
+        number = self.group_of[state.slot] = self.groups.setdefault(group_key(state), len(self.groups))
+        listed = state.features.features if state.features is not None else None
+        if listed is not None and number not in self.wanted:  # copied once, not every step
+            self.wanted[number] = device_index(np.array(listed), self.runtime.device, self.cuda)
         if pooled(state):
             key = id(state.encoder)
             if key not in self.pools:
@@ -136,7 +141,10 @@ class FeatureCaptures:
             if pooled(state):
                 self._fold(state, slots[mine], rows[mine], positions[mine], site)
             else:
-                flights.append(self._copy(state, slots[mine], cursors[mine], rows[mine], positions[mine], site))
+                copied = self._copy(
+                    state, self.wanted.get(number), slots[mine], cursors[mine], rows[mine], positions[mine], site
+                )
+                flights.append(copied)
         return flights
 
     def _encoded(self, encoder: Any, site: int, rows: np.ndarray) -> list[tuple[slice, torch.Tensor]]:
@@ -150,18 +158,16 @@ class FeatureCaptures:
     def _copy(
         self,
         state: RequestState,
+        wanted: torch.Tensor | None,
         slots: np.ndarray,
         cursors: np.ndarray,
         rows: np.ndarray,
         positions: np.ndarray,
         site: int,
     ) -> FeatureFlight:
-        """Each row's top-k (or listed) features, as [values | indices] float32 rows, to the host."""
+        """Each row's top-k (or the ``wanted``, listed) features, as [values | indices] float32 rows, to the host."""
         wire = state.features
         assert wire is not None
-        wanted = None
-        if wire.features is not None:
-            wanted = torch.tensor(wire.features, dtype=torch.int64, device=self.runtime.device)
         parts = []
         for _, acts in self._encoded(state.encoder, site, rows):
             if wanted is not None:
@@ -170,7 +176,7 @@ class FeatureCaptures:
                 values, indices = acts.topk(min(wire.top_k, acts.shape[1]), dim=-1)
             parts.append(torch.cat([values, indices.float()], dim=1))
         packed = torch.cat(parts)
-        width = packed.shape[1]
+        width = row_width(wire)
         if width not in self.arenas:
             self.arenas[width] = Arena(width)
         arena = self.arenas[width]
@@ -227,7 +233,7 @@ class FeatureCaptures:
                     count,
                 )
             return
-        width = 2 * (len(state.features.features) if state.features.features is not None else state.features.top_k)
+        width = row_width(state.features)
         arena = self.arenas.get(width)
         if arena is None or count == 0:
             state.feature_rows = (np.zeros(0, dtype=np.int64), np.zeros((0, width), dtype=np.float32))
@@ -240,6 +246,12 @@ class FeatureCaptures:
 
 def pooled(state: RequestState) -> bool:
     return state.encoder is not None and state.features is not None and state.features.reduce != "none"
+
+
+def row_width(wire: FeaturesWire) -> int:
+    """Numbers per per-token row: the kept features' values, then their indices (the front end
+    keeps ``top_k`` within the SAE's width)."""
+    return 2 * (len(wire.features) if wire.features is not None else wire.top_k)
 
 
 def group_key(state: RequestState) -> tuple[Any, ...]:

@@ -26,8 +26,7 @@ def sae_feature(sae: str, feature: int) -> Any:
     if not (type(feature) is int and 0 <= feature <= MAX_FEATURE):
         raise SpecError(f"sae_feature: feature must be a whole number within 0..{MAX_FEATURE}, got {feature!r}")
     loaded = load_sae(sae, "sae_feature.sae")
-    if feature >= loaded.d_sae:
-        raise SpecError(f"sae_feature: feature {feature} is out of range; {sae} has features 0..{loaded.d_sae - 1}")
+    loaded.check_feature(feature, "sae_feature")
     indices_key, values_key = sae_keys(loaded.hook)
 
     async def score(state: TaskState, target: Target) -> Score:

@@ -51,7 +51,7 @@ class SparseAutoencoder:
     def encode(self, activations: torch.Tensor) -> torch.Tensor:
         """Feature activations [..., d_sae] of activations [..., d_in], in float32, as SAELens'
         ``SAE.encode`` computes them for this architecture (in the encoder's dtype: float32 as
-        loaded, the model's dtype on a worker's GPU, see ``to``)."""
+        loaded, the model's dtype on a worker's GPU, see ``encoder_on``)."""
         x = activations.to(self.W_enc.dtype)
         if self.apply_b_dec_to_input:
             x = x - self.b_dec
@@ -85,9 +85,21 @@ class SparseAutoencoder:
 
     def decoder_row(self, feature: int, where: str) -> torch.Tensor:
         """Feature ``feature``'s decoder direction (what adding the feature adds), float32 [d_in]."""
+        self.check_feature(feature, where)
+        return self.W_dec[feature].contiguous()
+
+    def check_feature(self, feature: int, where: str) -> None:
+        """A SpecError naming ``where`` unless ``feature`` is one of this SAE's."""
         if not 0 <= feature < self.d_sae:
             raise SpecError(f"{where}: feature {feature} is out of range; {self.path} has features 0..{self.d_sae - 1}")
-        return self.W_dec[feature].contiguous()
+
+    def check_width(self, width: int, where: str) -> None:
+        """A SpecError naming ``where`` unless this SAE reads activations of the model's ``width``."""
+        if self.d_in != width:
+            raise SpecError(
+                f"{where}: the SAE at {self.path} reads {self.d_in}-wide activations but the model's hidden size is "
+                f"{width}; was it trained on another model?"
+            )
 
 
 def load_sae(path: str | Path, where: str = "sae") -> SparseAutoencoder:
@@ -204,11 +216,7 @@ def feature_steering(path: str, feature: int, *, op: str, hook: str, width: int,
         raise SpecError(
             f"{where}: the SAE at {sae.path} was trained on {sae.hook!r}, not {hook!r}; steer at its hook point"
         )
-    if sae.d_in != width:
-        raise SpecError(
-            f"{where}: the SAE at {sae.path} reads {sae.d_in}-wide activations but the model's hidden size is {width}; "
-            "was it trained on another model?"
-        )
+    sae.check_width(width, where)
     decoder = sae.decoder_row(feature, f"{where}.feature")
     if sae.architecture == "topk":
         if op == "clamp":
