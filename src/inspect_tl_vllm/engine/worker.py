@@ -5,8 +5,9 @@ the instrumentation settings from ``vllm_config.additional_config["tlvllm"]`` (s
 settings reach every worker, local or remote, with the config itself), builds the hook
 runtime, registers the hooks and wraps two methods of that worker's model runner:
 
-- ``_preprocess``: the batch layout is final here and vLLM's own input copies happen here,
-  so the routing tables are written in the same place and stream order as vLLM's inputs.
+- ``_preprocess``: the batch layout is final here and vLLM has just computed each token row's
+  batch index and position on the device (``req_indices``, ``positions``), from which the
+  steering tables are expanded, in the same stream order as vLLM's inputs.
 - ``execute_model``: before the step, let go of finished requests; after it, harvest
   captures and steering receipts.
 
@@ -87,6 +88,7 @@ class Controller:
         GC_TIMER.install()
         self.steps = 0
         self.resumed = 0  # instrumented requests resumed after preemption (their rows are recomputed)
+        self._last_batch: tuple[list[RequestState], list[str], np.ndarray] | None = None
         log.info(
             "tl-vllm: %d of %d hook sites on this worker (%s), %.1f MiB of buffers",
             len(self.sites),
@@ -102,13 +104,29 @@ class Controller:
         for new in scheduler_output.scheduled_new_reqs:
             self._register(new.req_id)
         self.resumed += len(self.live.keys() & scheduler_output.scheduled_cached_reqs.resumed_req_ids)
-        batch = self.runner.input_batch
-        states = self.router.states
-        index_of = batch.req_id_to_index  # preempted or unscheduled requests are absent: -1
-        batch_index = np.fromiter((index_of.get(s.req_id, -1) for s in states), dtype=np.int64, count=len(states))
-        self.router.begin_step(batch_index, self.runner.query_start_loc.np, batch.num_computed_tokens_cpu)
+        runner = self.runner
+        rows = scheduler_output.total_num_scheduled_tokens
+        self.router.begin_step(
+            self._batch_index(),
+            runner.query_start_loc.np[: runner.input_batch.num_reqs + 1],
+            runner.input_batch.num_computed_tokens_cpu,
+            (runner.req_indices.gpu[:rows], runner.positions[:rows]),
+        )
         self.steps += 1
         self.host_time.add("route", started)
+
+    def _batch_index(self) -> np.ndarray:
+        """Per live request (``router.states``), its index in vLLM's batch (-1: not scheduled).
+
+        Looked up again only when the batch's membership or order, or the live requests, changed."""
+        batch = self.runner.input_batch
+        states = self.router.states
+        if self._last_batch is not None and self._last_batch[0] is states and self._last_batch[1] == batch.req_ids:
+            return self._last_batch[2]
+        index_of = batch.req_id_to_index  # preempted or unscheduled requests are absent: -1
+        batch_index = np.fromiter((index_of.get(s.req_id, -1) for s in states), dtype=np.int64, count=len(states))
+        self._last_batch = (states, list(batch.req_ids), batch_index)
+        return batch_index
 
     def retire_finished(self, scheduler_output: Any) -> None:
         """Let go of requests vLLM has finished.

@@ -1,20 +1,23 @@
 """Per-step routing: which rows of vLLM's batch each live request's steering and captures touch.
 
 Before each forward step the worker tells ``begin_step`` where each live instrumented
-request sits in vLLM's batch.  The router writes each steered row's stage parameters into
-pinned host tables and copies the rows in use to the device, one transfer per site whose
-table changed; a step with nothing requested does no work at all.
+request sits in vLLM's batch, and hands over each token row's batch index and position as
+device tensors (vLLM computes both there).  Steering is expanded on the device: each
+request's stages were written there when it was admitted, and a few gathers per step write
+the steered sites' per-row tables (``steering_routes.py``), so the host's part does not grow
+with the number of requests or rows; only when the batch's membership or order changes does
+the host write the map from batch index to request slot.  A step with nothing requested
+does no work at all.
 
-The per-step cost must not grow with Python work per request: at 256 concurrent requests a
-decode step of an 8B model takes ~11 ms on an H200, and vLLM's own host work uses most of
-that.  So the live requests are kept as arrays (``slots.Layout``, rebuilt only when a request
-is admitted or retired), their counters live in arrays under integer slots (``slots.Slots``),
-and a decode step (one row per request) is a few numpy operations over all of them.
-Prefill chunks, listed positions and per-token captures take a per-request path.
+Captures are routed on the host: the live requests are kept as arrays (``slots.Layout``,
+rebuilt only when a request is admitted or retired), their counters live in arrays under
+integer slots (``slots.Slots``), and a decode step (one row per request) is a few numpy
+operations over all of them.  Prefill chunks, listed positions and per-token captures take a
+per-request path.
 
 After the step, ``end_step`` hands what the step's requests need to the modules that
-account it, all without waiting for the device: steered rows' norm changes to device-side
-receipt sums (``steering_receipts.py``), pooled captures to device accumulators
+account it, all without waiting for the device: steered rows' stats to device-side receipt
+sums (``steering_receipts.py``), pooled captures to device accumulators
 (``pooled_captures.py``), SAE captures to their encoding on the device
 (``feature_captures.py``), and per-token captures to pinned host copies (``host_copies.py``)
 that land a step or more later.  When a request retires, or its results are fetched, its
@@ -37,23 +40,22 @@ from inspect_tl_vllm.instrument.host_copies import MAX_IN_FLIGHT, HostCopies, In
 from inspect_tl_vllm.instrument.plans import SCOPE_CODES, RequestState, scopes_cover
 from inspect_tl_vllm.instrument.pooled_captures import PooledCaptures, PooledReads
 from inspect_tl_vllm.instrument.pooling import MODES
-from inspect_tl_vllm.instrument.runtime import IDENTITY_STAGE, HookRuntime
-from inspect_tl_vllm.instrument.site_op import STAGE_WIDTH
-from inspect_tl_vllm.instrument.slots import Layout, Slots
+from inspect_tl_vllm.instrument.runtime import HookRuntime
+from inspect_tl_vllm.instrument.slots import LAYOUT_COLUMNS, Layout, PooledItems, Slots
 from inspect_tl_vllm.instrument.steering_receipts import ReceiptReads, SteeringReceipts
+from inspect_tl_vllm.instrument.steering_routes import SteeringRoutes
 
 
 @dataclass
 class _StepWork:
-    """What a step's harvest must account; arrays are concatenated at launch."""
+    """What a step's harvest must account on the host's side; arrays are concatenated at launch."""
 
-    steer: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = field(default_factory=list)  # item slots, sites, rows
     pooled: list[tuple[np.ndarray, ...]] = field(default_factory=list)  # sites, modes, rows, slots, positions
     per_token: list[PerToken] = field(default_factory=list)
     features: list[tuple[np.ndarray, ...]] = field(default_factory=list)  # slots, rows, positions (SAE captures)
 
     def __bool__(self) -> bool:
-        return bool(self.steer or self.pooled or self.per_token or self.features)
+        return bool(self.pooled or self.per_token or self.features)
 
 
 class StepRouter:
@@ -79,18 +81,21 @@ class StepRouter:
         self.cuda = runtime.device.type == "cuda"
         self.sites = sorted(runtime.sites)
         self.table_of_site = {site: j for j, site in enumerate(self.sites)}
-        first = next(iter(runtime.sites.values()), None)
-        shape = (len(self.sites), *(first.table.shape if first is not None else (0, 0, STAGE_WIDTH)))
-        self.host = torch.tensor(IDENTITY_STAGE).repeat(*shape[:-1], 1)
+        # batch index -> request slot + 1 of a steered request (0: none), on the host and the device
+        self._slot_of_batch = torch.zeros(runtime.max_tokens + 1, dtype=torch.int64)
         if self.cuda:
-            self.host = self.host.pin_memory()
-        self._table = self.host.numpy()
-        self._identity = np.array(IDENTITY_STAGE, dtype=np.float32)
-        self._dirty = np.zeros(len(self.sites), dtype=np.int64)  # rows of each table holding non-defaults
+            self._slot_of_batch = self._slot_of_batch.pin_memory()
+        self._slot_of_batch_device = self._slot_of_batch.to(runtime.device)
+        self._mapped = 0  # entries of the map that may be non-zero
+        self._batch: tuple[Layout, np.ndarray] | None = None  # what the map was written for
+        self._slot_of_row: torch.Tensor | None = None  # the last step's rows' request slots + 1
+        self._generated_rows = -1  # the last step's row count when each was a steered request's generated row
         self._live: dict[int, RequestState] = {}  # request slot -> state, in admission order
+        self._pooled_items: dict[int, PooledItems] = {}  # request slot -> its pooled captures
         self._layout: Layout | None = None
-        self._requests = Slots(seen=(np.int64, -1), captured=(np.int64, 0), pending=(np.int64, -1))
+        self._requests = Slots(seen=(np.int64, -1), captured=(np.int64, 0), pending=(np.int64, -1), **LAYOUT_COLUMNS)
         self._receipts = SteeringReceipts(runtime, self.sites, collect=collect, cuda=self.cuda)
+        self._steering = SteeringRoutes(runtime, self.sites, self._receipts, collect=collect)
         self._pooled = PooledCaptures(runtime, self.cuda)
         self._copies = HostCopies(runtime, on_capture_complete=on_capture_complete, chunk_rows=chunk_rows)
         self._features = FeatureCaptures(runtime, self.cuda, self._copies.to_host)
@@ -109,49 +114,111 @@ class StepRouter:
         state.slot = self._requests.take()
         for item in state.steer:
             self._receipts.admit(item)
+        if state.steer:
+            self._steering.admit(state)
         if self.collect and state.pooled:
             self._pooled.admit(state)
         if self.collect and state.encoder is not None:
             self._features.admit(state)
         self._live[state.slot] = state
+        pooled = Layout.describe(state, self._requests)
+        if pooled:
+            self._pooled_items[state.slot] = pooled
         self._layout = None
 
     def retire(self, state: RequestState) -> None:
         """The request left vLLM: settle its numbers once the copies in flight have landed."""
         if self._live.pop(state.slot, None) is not None:
+            self._pooled_items.pop(state.slot, None)
             self._layout = None
+            self._steering.retire(state)
             self._retiring.append(state)
 
     def _current_layout(self) -> Layout:
         if self._layout is None:
-            self._layout = Layout.build(list(self._live.values()), self.table_of_site)
+            slots = np.fromiter(self._live, dtype=np.int64, count=len(self._live))
+            self._layout = Layout.build(list(self._live.values()), slots, self._pooled_items, self._requests)
         return self._layout
 
     # -- before the step ------------------------------------------------------------------
-    def begin_step(self, batch_index: np.ndarray, query_start: np.ndarray, computed: np.ndarray) -> None:
+    def begin_step(
+        self,
+        batch_index: np.ndarray,
+        query_start: np.ndarray,
+        computed: np.ndarray,
+        rows: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> None:
         """Route one step.  ``batch_index[k]`` is the vLLM batch index of ``states[k]`` (-1:
         not scheduled); ``query_start`` and ``computed`` are the runner's per-request row
-        offsets and computed-token counts."""
-        table = self._table
-        for j in np.nonzero(self._dirty)[0]:
-            table[j, : self._dirty[j]] = self._identity
+        offsets and computed-token counts (``query_start`` runs to the step's last request).
+        ``rows`` holds each token row's batch index and position on the device (vLLM's
+        ``req_indices`` and ``positions``); without it they are derived from the two arrays."""
         self._pooled.flush_resets()
         self._features.flush_resets()
         self._receipts.flush_admissions()
         if self._retiring:
             self._in_flight.append(self._launch_retire(self._retiring))
             self._retiring = []
-        used = np.zeros_like(self._dirty)
         work = _StepWork()
         layout = self._current_layout()
-        if layout.states:
-            self._route(layout, batch_index, query_start, computed, used, work)
-        for j in np.nonzero(np.maximum(used, self._dirty))[0]:
-            span = int(max(used[j], self._dirty[j]))
-            site = self.runtime.sites[self.sites[j]]
-            site.table[:span].copy_(self.host[j, :span], non_blocking=True)
-        self._dirty = used
-        self._work = work if self.collect and work else None
+        if self._steering.active:
+            self._steer(layout, batch_index, query_start, computed, rows)
+        if layout.states and self.collect and layout.captures:
+            self._route(layout, batch_index, query_start, computed, work)
+        self._work = work if work else None
+
+    def _steer(
+        self,
+        layout: Layout,
+        batch_index: np.ndarray,
+        query_start: np.ndarray,
+        computed: np.ndarray,
+        rows: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """Hand the steering its rows: each row's request slot, and whether the tables the last
+        step wrote still hold (the same requests in the same order, one generated row each, in
+        both steps: then no row can have crossed into or out of a scope)."""
+        if rows is None:
+            rows = self._rows_of(query_start, computed)
+        count = rows[0].shape[0]
+        remapped = self._map_batch(layout, batch_index)
+        generated = count == len(query_start) - 1 and self._generated_rows_only(layout, batch_index, computed)
+        same_rows = not remapped and generated and count == self._generated_rows
+        if not same_rows or self._slot_of_row is None:
+            self._slot_of_row = self._slot_of_batch_device.index_select(0, rows[0])
+        self._generated_rows = count if generated else -1
+        self._steering.begin(self._slot_of_row, rows[1], same_rows=same_rows)
+
+    @staticmethod
+    def _generated_rows_only(layout: Layout, batch_index: np.ndarray, computed: np.ndarray) -> bool:
+        """In a step of one row per request: whether every steered request's row is a generated token's."""
+        steered = (batch_index >= 0) & layout.steered
+        return bool(np.all(computed[batch_index[steered]] >= layout.prompt_len[steered]))
+
+    def _map_batch(self, layout: Layout, batch_index: np.ndarray) -> bool:
+        """Write which request slot sits at each batch index; whether that changed."""
+        if self._batch is not None and self._batch[0] is layout and np.array_equal(self._batch[1], batch_index):
+            return False
+        self._batch = (layout, batch_index.copy())
+        present = batch_index >= 0
+        mapped = int(batch_index.max(initial=-1)) + 1
+        span = max(self._mapped, mapped)
+        table = self._slot_of_batch.numpy()
+        table[:span] = 0
+        steered = present & layout.steered  # a slot's entries are written when a steered request takes it
+        table[batch_index[steered]] = layout.slot[steered] + 1
+        self._slot_of_batch_device[:span].copy_(self._slot_of_batch[:span], non_blocking=True)
+        self._mapped = mapped
+        self.max_requests_steered_in_one_step = max(self.max_requests_steered_in_one_step, int(steered.sum()))
+        return True
+
+    def _rows_of(self, query_start: np.ndarray, computed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each token row's batch index and position, as vLLM's runner computes them."""
+        counts = np.diff(query_start)
+        batch = np.repeat(np.arange(len(counts)), counts)
+        positions = computed[batch] + np.arange(len(batch)) - query_start[batch]
+        device = self.runtime.device
+        return torch.from_numpy(batch).to(device), torch.from_numpy(positions.astype(np.int64)).to(device)
 
     def _route(
         self,
@@ -159,9 +226,9 @@ class StepRouter:
         batch_index: np.ndarray,
         query_start: np.ndarray,
         computed: np.ndarray,
-        used: np.ndarray,
         work: _StepWork,
     ) -> None:
+        """Captures: which rows each capturing request keeps this step."""
         present = batch_index >= 0
         index = np.where(present, batch_index, 0)
         starts = query_start[index].astype(np.int64)
@@ -171,53 +238,20 @@ class StepRouter:
         decode = active & (counts == 1)
         seen = self._requests["seen"][layout.slot]
         fresh = first > seen  # for decode rows: the row is new (not a recomputation)
-        self.max_requests_steered_in_one_step = max(
-            self.max_requests_steered_in_one_step, int(np.count_nonzero(active & layout.steered))
-        )
-        if len(layout.s_state):
-            self._steer_decode(layout, decode, starts, first, fresh, used, work)
-        if self.collect and (layout.per_token or layout.pooled.any() or layout.features.any()):
-            captured = self._captured_decode_rows(layout, decode, first, fresh)
-            if (captured & layout.pooled).any():
-                self._pool_decode(layout, captured & layout.pooled, starts, first, work)
-            encoded = captured & layout.features
-            if encoded.any():
-                work.features.append((layout.slot[encoded], starts[encoded], first[encoded]))
-            for k in layout.per_token:
-                state = layout.states[k]
-                if captured[k] and state.error is None:
-                    rows, positions = starts[k : k + 1], first[k : k + 1]
-                    work.per_token.extend((state, item, rows, positions) for item in state.capture)
-        for k in np.nonzero(active & ~decode)[0]:
-            self._route_block(layout.states[k], int(starts[k]), int(counts[k]), int(first[k]), int(seen[k]), used, work)
+        captured = self._captured_decode_rows(layout, decode, first, fresh)
+        if (captured & layout.pooled).any():
+            self._pool_decode(layout, captured & layout.pooled, starts, first, work)
+        encoded = captured & layout.features
+        if encoded.any():
+            work.features.append((layout.slot[encoded], starts[encoded], first[encoded]))
+        for k in layout.per_token:
+            state = layout.states[k]
+            if captured[k] and state.error is None:
+                rows, positions = starts[k : k + 1], first[k : k + 1]
+                work.per_token.extend((state, item, rows, positions) for item in state.capture)
+        for k in np.nonzero(active & ~decode & (layout.capture_kind >= 0))[0]:
+            self._route_block(layout.states[k], int(starts[k]), int(counts[k]), int(first[k]), int(seen[k]), work)
         self._requests["seen"][layout.slot[active]] = np.maximum(seen[active], first[active] + counts[active] - 1)
-
-    def _steer_decode(
-        self,
-        layout: Layout,
-        decode: np.ndarray,
-        starts: np.ndarray,
-        first: np.ndarray,
-        fresh: np.ndarray,
-        used: np.ndarray,
-        work: _StepWork,
-    ) -> None:
-        """Decode rows of every steered request at once: one fancy-indexed table write."""
-        owner = layout.s_state
-        pos = first[owner]
-        covered = scopes_cover(layout.s_kind, layout.prompt_len[owner], pos)
-        for m in layout.s_listed:
-            covered[m] = layout.s_items[m].scope.covers(int(pos[m]))
-        chosen = decode[owner] & covered
-        if not chosen.any():
-            return
-        rows = starts[owner[chosen]]
-        tables = layout.s_table[chosen]
-        self._table[tables, rows, layout.s_stage[chosen]] = layout.s_row[chosen]
-        np.maximum.at(used, tables, rows + 1)
-        counted = fresh[owner[chosen]]
-        if self.collect and counted.any():
-            work.steer.append((layout.s_slot[chosen][counted], layout.s_site[chosen][counted], rows[counted]))
 
     def _captured_decode_rows(
         self, layout: Layout, decode: np.ndarray, first: np.ndarray, fresh: np.ndarray
@@ -239,25 +273,12 @@ class StepRouter:
         owner = layout.p_state[take]
         work.pooled.append((layout.p_site[take], layout.p_mode[take], starts[owner], layout.slot[owner], first[owner]))
 
-    def _route_block(
-        self, state: RequestState, start: int, count: int, first: int, seen: int, used: np.ndarray, work: _StepWork
-    ) -> None:
-        """A prefill chunk (or a recomputation after preemption): numpy masks over its rows."""
+    def _route_block(self, state: RequestState, start: int, count: int, first: int, seen: int, work: _StepWork) -> None:
+        """A prefill chunk (or a recomputation after preemption) of a capture: numpy masks over its rows."""
+        if not (state.capture and state.error is None and state.capture_scope is not None):
+            return
         positions = first + np.arange(count, dtype=np.int64)
         fresh = positions > seen
-        for item in state.steer:
-            mask = item.scope.mask(positions)
-            rows = start + np.nonzero(mask)[0]
-            if rows.size == 0:
-                continue
-            j = self.table_of_site[item.site]
-            self._table[j, rows, item.stage] = item.stage_row
-            used[j] = max(used[j], int(rows[-1]) + 1)
-            counted = start + np.nonzero(mask & fresh)[0]
-            if self.collect and counted.size:
-                work.steer.append((np.full(counted.size, item.slot), np.full(counted.size, item.site), counted))
-        if not (self.collect and state.capture and state.error is None and state.capture_scope is not None):
-            return
         idx = np.nonzero(state.capture_scope.mask(positions) & fresh)[0]
         if idx.size == 0:
             return
@@ -278,6 +299,7 @@ class StepRouter:
     # -- after the step -------------------------------------------------------------------
     def end_step(self) -> None:
         """Fold and launch what this step's requests need; account earlier steps' copies."""
+        self._steering.end()
         work, self._work = self._work, None
         flight = self._launch(work) if work else None
         if flight is not None:
@@ -292,9 +314,7 @@ class StepRouter:
             self._complete(self._in_flight.pop(0))
 
     def _launch(self, work: _StepWork) -> InFlight | None:
-        """Account a step on the device; only per-token rows need copies (a flight) to the host."""
-        if work.steer:
-            self._receipts.add(*(np.concatenate(parts) for parts in zip(*work.steer, strict=True)))
+        """Account a step's captures on the device; only per-token rows need copies (a flight) to the host."""
         if work.pooled:
             pending = self._requests["pending"]
             self._pooled.fold(pending, *(np.concatenate(parts) for parts in zip(*work.pooled, strict=True)))

@@ -1,13 +1,13 @@
-"""The step router's side of steering receipts: rows counted on the host, sums on the device.
+"""Steering receipts: per steering item, its rows' stats summed on the device.
 
 A receipt says how many token rows a steering item steered, their mean change in L2 norm
 (and, for an SAE feature's intervention, the feature's mean activation before and after it),
 and whether its site's hook ran while the request was live.  Each steering item gets an
-integer slot while it is live.  Row counts are known on the host and kept in an array under
-that slot; the rows' stats (``row_stats``) and the site's ``fired`` count at admission stay on the device
-(``ReceiptAccumulators``), added to with one index kernel per site and step, so that no step waits
-for the device.  They are read back, one read for all items, when requests retire or their
-results are fetched, and settled into the steering items.
+integer slot while it is live.  The steered rows' stats (``row_stats``) and their count are
+summed on the device (``ReceiptAccumulators``, added to by ``steering_routes.py`` with one index
+kernel per step), as is the site's ``fired`` count at admission, so that no step waits for the
+device.  They are read back, one read for all items, when requests retire or their results are
+fetched, and settled into the steering items.
 """
 
 from __future__ import annotations
@@ -24,13 +24,16 @@ from inspect_tl_vllm.instrument.runtime import HookRuntime
 from inspect_tl_vllm.instrument.site_op import ROW_STATS
 from inspect_tl_vllm.instrument.slots import Slots
 
+SUMS = ROW_STATS + 1  # per steering item: its rows' row_stats summed, then how many rows
+
 
 class ReceiptAccumulators:
-    """Per steering-item slot: the sums of its rows' stats, and the site's ``fired`` count at admission."""
+    """Per steering-item slot + 1 (index 0 takes the rows no item counts): the sums of its rows'
+    stats and their count, and the site's ``fired`` count at admission."""
 
     def __init__(self, device: torch.device, capacity: int = 64) -> None:
         self.device = device
-        self.stat_sums = torch.zeros(capacity, ROW_STATS, dtype=torch.float64, device=device)
+        self.stat_sums = torch.zeros(capacity, SUMS, dtype=torch.float64, device=device)
         self.fired_at_admission = torch.zeros(capacity, dtype=torch.int64, device=device)
 
     def ensure(self, slots: int) -> None:
@@ -39,7 +42,7 @@ class ReceiptAccumulators:
         if slots <= size:
             return
         grown = max(slots, 2 * size)
-        sums = torch.zeros(grown, ROW_STATS, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(grown, SUMS, dtype=torch.float64, device=self.device)
         fired = torch.zeros(grown, dtype=torch.int64, device=self.device)
         sums[:size] = self.stat_sums
         fired[:size] = self.fired_at_admission
@@ -50,11 +53,14 @@ class ReceiptAccumulators:
         self.stat_sums.index_fill_(0, slots, 0.0)
         self.fired_at_admission.index_copy_(0, slots, fired)
 
-    def add(self, slots: torch.Tensor, stats: torch.Tensor) -> None:
-        self.stat_sums.index_add_(0, slots, stats.to(torch.float64))
+    def add(self, index: torch.Tensor, stats: torch.Tensor) -> None:
+        """Add ``stats[..., r, :]`` and a count of one to the items at ``index[..., r, k]`` (each stage k)."""
+        counted = torch.cat([stats.to(torch.float64), stats.new_ones((*stats.shape[:-1], 1), dtype=torch.float64)], -1)
+        values = counted.unsqueeze(-2).expand(*index.shape, SUMS)
+        self.stat_sums.index_add_(0, index.reshape(-1), values.reshape(-1, SUMS))
 
     def read(self, slots: torch.Tensor) -> torch.Tensor:
-        """Per slot ``(stat sums..., fired at admission)`` as float64 rows."""
+        """Per index ``(stat sums..., rows, fired at admission)`` as float64 rows."""
         fired = self.fired_at_admission.index_select(0, slots).double().unsqueeze(1)
         return torch.cat([self.stat_sums.index_select(0, slots), fired], 1)
 
@@ -64,12 +70,12 @@ class ReceiptReads:
     """Receipt sums of some steering-item slots (sorted), and every site's ``fired`` count."""
 
     slots: np.ndarray
-    sums: torch.Tensor  # per slot: stat sums (ROW_STATS of them), fired at admission
+    sums: torch.Tensor  # per slot: stat sums (ROW_STATS of them), rows, fired at admission
     fired: torch.Tensor  # per site table index
 
 
 class SteeringReceipts:
-    """Per steering-item slot: steered rows counted (host), row-stat sums and ``fired`` at admission (device).
+    """Per steering-item slot: row-stat sums, rows counted and ``fired`` at admission (device).
 
     ``sites`` lists the site indices in the router's table order.  Without ``collect`` items
     get slots (the routing tables need them) but nothing is summed on the device.
@@ -81,14 +87,14 @@ class SteeringReceipts:
         self.table_of_site = {site: j for j, site in enumerate(sites)}
         self.collect = collect
         self.cuda = cuda
-        self.items = Slots(rows=(np.int64, 0))  # steered rows counted per steering item
+        self.items = Slots()
         self.sums = ReceiptAccumulators(runtime.device)
         self.admitted: list[SteerItem] = []  # steering items whose fired count is not yet recorded
 
     def admit(self, item: SteerItem) -> None:
         item.slot = self.items.take()
         if self.collect:
-            self.sums.ensure(item.slot + 1)
+            self.sums.ensure(item.slot + 2)
             self.admitted.append(item)
 
     def flush_admissions(self) -> None:
@@ -96,7 +102,7 @@ class SteeringReceipts:
         if not self.admitted:
             return
         items, self.admitted = self.admitted, []
-        slots = np.array([item.slot for item in items], dtype=np.int64)
+        slots = np.array([item.slot + 1 for item in items], dtype=np.int64)
         tables = np.array([self.table_of_site[item.site] for item in items], dtype=np.int64)
         index = device_index(np.concatenate([slots, tables]), self.runtime.device, self.cuda)
         self.sums.admit(index[: len(items)], self.fired_counts().index_select(0, index[len(items) :]))
@@ -105,16 +111,10 @@ class SteeringReceipts:
         """Every site's ``fired`` counter, in site-table order, as one device tensor."""
         return torch.cat([self.runtime.sites[site].fired for site in self.sites])
 
-    def add(self, slots: np.ndarray, site_of: np.ndarray, rows: np.ndarray) -> None:
-        """Count a step's steered rows (``rows[i]`` steered by the item of ``slots[i]`` at
-        ``site_of[i]``) and add their stats on the device, one kernel per site."""
-        sites = self.runtime.sites
-        np.add.at(self.items["rows"], slots, 1)
-        for site in np.unique(site_of).tolist():
-            mine = site_of == site
-            n = int(np.count_nonzero(mine))
-            index = device_index(np.concatenate([slots[mine], rows[mine]]), self.runtime.device, self.cuda)
-            self.sums.add(index[:n], sites[site].row_stats.index_select(0, index[n:]))
+    def add_rows(self, index: torch.Tensor, stats: torch.Tensor) -> None:
+        """Sum a step's steered rows: ``index[t, r, k]`` is the slot + 1 of the item that stage
+        ``k`` of row ``r`` counts toward at the t-th site (0: none), ``stats[t, r]`` its ``row_stats``."""
+        self.sums.add(index, stats)
 
     def read(self, items: list[SteerItem], to_host: Callable[[torch.Tensor], torch.Tensor]) -> ReceiptReads | None:
         """The receipt sums of ``items`` and the sites' ``fired`` counts, copied by ``to_host``."""
@@ -122,17 +122,18 @@ class SteeringReceipts:
             return None
         self.flush_admissions()  # an item admitted since the last step still needs its count
         slots = np.sort(np.array([item.slot for item in items], dtype=np.int64))
-        sums = self.sums.read(device_index(slots, self.runtime.device, self.cuda))
+        sums = self.sums.read(device_index(slots + 1, self.runtime.device, self.cuda))
         return ReceiptReads(slots, to_host(sums), to_host(self.fired_counts()))
 
     def settle(self, items: list[SteerItem], reads: ReceiptReads | None) -> None:
-        """Copy the row counts, and the sums in ``reads`` when there are any, into ``items``."""
+        """Copy the sums, row counts and ``fired`` in ``reads`` (None: nothing collected) into ``items``."""
+        if reads is None:
+            return
         for item in items:
-            item.rows = int(self.items["rows"][item.slot])
-            if reads is not None:
-                *sums, fired_then = reads.sums.numpy()[int(np.searchsorted(reads.slots, item.slot))]
-                item.sums = np.array(sums)
-                item.fired = int(reads.fired.numpy()[self.table_of_site[item.site]]) > int(fired_then)
+            *sums, rows, fired_then = reads.sums.numpy()[int(np.searchsorted(reads.slots, item.slot))]
+            item.sums = np.array(sums)
+            item.rows = int(rows)
+            item.fired = int(reads.fired.numpy()[self.table_of_site[item.site]]) > int(fired_then)
 
     def free(self, items: list[SteerItem]) -> None:
         for item in items:
