@@ -1,14 +1,18 @@
 """Host time of the step router per decode step, without a model.
 
-    python bench/router_cost.py [--requests 256] [--steps 300] [--width 4096] [--sites 34] [--profile] [--out F]
+    python bench/router_cost.py [--requests 256] [--steps 300] [--width 4096] [--sites 34]
+                                [--profile [--profile-workload W]] [--out F]
 
 The router's ``begin_step`` / ``end_step`` run on vLLM's critical path: at 256 concurrent
 requests an 8B decode step on an H200 is ~11 ms, most of it vLLM's own host work, so every
 tenth of a millisecond the router adds can show in throughput.  This drives a real
-``StepRouter`` through a prefill step and then decode steps for four workloads (every request
-steered at one site, every request capturing one site reduced by mean, every request capturing
-the top 32 features of a stand-in SAE per token, and nothing requested) and prints the median
-host time per decode step, as wall time and as the thread's CPU time.  It runs on the GPU when
+``StepRouter`` through a prefill step and then decode steps for five workloads (every request
+steered at one site; the same with one request replaced by a new one, prefilling, every step,
+as when an eval's samples finish at different times; every request capturing one site reduced
+by mean; every request capturing the top 32 features of a stand-in SAE per token; and nothing
+requested) and prints the median host time per step, as wall time and as the thread's CPU
+time.  Each row's batch index and position are made before the clock starts: vLLM's runner
+computes them for its own inputs.  It runs on the GPU when
 there is one (device copies and kernel launches included) and on the CPU otherwise.  Set
 against the worker's ``host_seconds`` in the throughput bench (which records both too), it tells
 the router's own cost apart from time the worker spends waiting (for the GIL, or for the
@@ -36,6 +40,7 @@ from inspect_tl_vllm.wire import FeaturesWire
 
 PROMPT_LEN = 40
 SAE_FEATURES = 1024  # the stand-in SAE's width: the host work does not depend on it
+WORKLOADS = ("plain", "steer", "steer_churn", "capture_mean", "features")
 
 
 class StandInEncoder:
@@ -54,7 +59,7 @@ def states(workload: str, count: int, site: int, encoder: Any = None) -> list[Re
     out = []
     for i in range(count):
         state = RequestState(uid=f"r{i}", prompt_len=PROMPT_LEN, steer=[], capture=[])
-        if workload == "steer":
+        if workload in ("steer", "steer_churn"):
             row = np.array([i + 1, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=np.float32)  # add bank row i + 1
             state.steer = [SteerItem(0, "add", site, 0, row, Scope.resolve("all", PROMPT_LEN))]
         elif workload == "capture_mean":
@@ -93,17 +98,35 @@ def run(workload: str, args: argparse.Namespace, device: torch.device) -> list[t
     computed = np.zeros(n, dtype=np.int32)
     router.begin_step(batch_index, query_start, computed)
     router.end_step()
-    query_start = np.arange(n + 1, dtype=np.int32)  # decode: one row each
     computed += PROMPT_LEN
     times = []
-    for _ in range(args.steps):
+    for step in range(args.steps):
+        if workload == "steer_churn":  # one request done, a new one in its batch slot (a real eval's steady state)
+            k = step % n
+            router.retire(requests[k])
+            requests[k] = states(workload, 1, site)[0]
+            router.admit(requests[k])
+            computed[k] = 0
+        # What vLLM's runner computes for the step, on the device: each row's batch index and position.
+        counts = np.where(computed == 0, PROMPT_LEN, 1)
+        query_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        row_batch = np.repeat(np.arange(n), counts)
+        positions = computed[row_batch] + np.arange(len(row_batch)) - query_start[row_batch]
+        rows = (torch.from_numpy(row_batch).to(device), torch.from_numpy(positions.astype(np.int64)).to(device))
         started, cpu = time.perf_counter(), time.thread_time()
-        router.begin_step(batch_index, query_start, computed)
+        index = _batch_of(router, requests) if workload == "steer_churn" else batch_index  # the worker's lookup
+        router.begin_step(index, query_start, computed, rows)
         router.end_step()
         times.append((time.perf_counter() - started, time.thread_time() - cpu))
-        computed += 1
+        computed += counts
     router.drain()
     return times
+
+
+def _batch_of(router: StepRouter, requests: list[RequestState]) -> np.ndarray:
+    """Each live request's batch index, in the router's order (as the worker looks them up)."""
+    index_of = {id(state): b for b, state in enumerate(requests)}
+    return np.array([index_of[id(state)] for state in router.states], dtype=np.int64)
 
 
 def main() -> None:
@@ -112,12 +135,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--sites", type=int, default=34)
-    parser.add_argument("--profile", action="store_true", help="print the top functions of the steer workload")
+    parser.add_argument("--profile", action="store_true", help="print the top functions of one workload")
+    parser.add_argument("--profile-workload", default="steer", choices=WORKLOADS)
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     result = {"device": str(device), "requests": args.requests, "width": args.width, "sites": args.sites}
-    for workload in ("plain", "steer", "capture_mean", "features"):
+    for workload in WORKLOADS:
         times = run(workload, args, device)[10:]
         result[f"{workload}_ms_per_step"] = round(1e3 * statistics.median(wall for wall, _ in times), 3)
         result[f"{workload}_cpu_ms_per_step"] = round(1e3 * statistics.median(cpu for _, cpu in times), 3)
@@ -127,7 +151,7 @@ def main() -> None:
     if args.profile:
         profile = cProfile.Profile()
         profile.enable()
-        run("steer", args, device)
+        run(args.profile_workload, args, device)
         profile.disable()
         pstats.Stats(profile).sort_stats("tottime").print_stats(20)
 
