@@ -259,3 +259,30 @@ def test_the_feature_scorer_refuses_features_the_sae_lacks(tmp_path):
             sae_feature(str(tmp_path / "sae"), feature)
     with pytest.raises(SpecError, match="not an SAE folder"):
         sae_feature(str(tmp_path / "nothing"), 0)
+
+
+def test_the_capture_memory_cap_counts_what_an_sae_capture_keeps_on_the_host(tmp_path):
+    """An SAE capture is encoded on the device: per token the host keeps its top-k (index, value)
+    pairs, 8 bytes each, and nothing per token when it is reduced per sample.  So the cap refuses
+    it by that size, not by the hook point's row width, and names the field to shrink."""
+    from types import SimpleNamespace
+
+    from inspect_tl_vllm.engine.frontend import Instrumentation
+    from inspect_tl_vllm.specs import InstrumentConfig
+
+    saved_sae(tmp_path / "sae", "jumprelu")
+    config = SimpleNamespace(architectures=["LlamaForCausalLM"], num_hidden_layers=3, hidden_size=WIDTH)
+    front = Instrumentation(config, InstrumentConfig(capture_bytes_per_request=4096))
+    sae = str(tmp_path / "sae")
+
+    def prepare(capture):  # 10 prompt tokens and up to 40 generated: 50 rows
+        return front.prepare(parse_request_spec({"capture": capture}, "x"), prompt_len=10, max_tokens=40)
+
+    prepare({"sae": sae, "top_k": 8})  # 50 x 8 pairs x 8 bytes = 3,200 (a raw row per token: 12,800)
+    prepare({"sae": sae, "top_k": 200, "reduce": "mean"})
+    prepare({"sae": sae, "features": list(range(10))})
+    prepare({"hooks": [HOOK], "reduce": "mean"})
+    with pytest.raises(SpecError, match="needs up to 6400 bytes.*capture a smaller top_k or fewer features"):
+        prepare({"sae": sae, "top_k": 16})
+    with pytest.raises(SpecError, match="needs up to 12800 bytes.*capture fewer positions or hooks"):
+        prepare({"hooks": [HOOK]})

@@ -195,15 +195,15 @@ class Instrumentation:
             hooks = [(h, self.site(h, f"{where}: capture.hooks").index) for h in names]
             _check_reach(spec.capture.positions, prompt_len, max_tokens, f"{where}: capture.positions")
             per_token = spec.capture.reduce == "none" or features is not None
-            if per_token:
-                need = (prompt_len + max_tokens) * self.hidden_size * 4 * len(hooks)
-                if need > self.settings.capture_bytes_per_request:
-                    raise SpecError(
-                        f"{where}: capture of {len(hooks)} hook points over up to {prompt_len + max_tokens} tokens "
-                        f"needs up to {need} bytes, over capture_bytes_per_request="
-                        f"{self.settings.capture_bytes_per_request}; capture fewer positions or hooks, reduce "
-                        "per sample, or raise the limit"
-                    )
+            row_bytes = _host_bytes_per_row(spec.capture.reduce, features, self.hidden_size)
+            need = (prompt_len + max_tokens) * row_bytes * len(hooks)
+            if need > self.settings.capture_bytes_per_request:
+                fewer = "a smaller top_k or fewer features" if features is not None else "fewer positions or hooks"
+                raise SpecError(
+                    f"{where}: capture of {len(hooks)} hook points over up to {prompt_len + max_tokens} tokens "
+                    f"needs up to {need} bytes, over capture_bytes_per_request="
+                    f"{self.settings.capture_bytes_per_request}; capture {fewer}, reduce per sample, or raise the limit"
+                )
             capture = CaptureWire(
                 hooks=hooks,
                 positions=spec.capture.positions,
@@ -311,6 +311,17 @@ class Instrumentation:
         for name in payload.files:
             activations.update(self.handoff.take(name))
         return CaptureResult(payload.receipt.encode(), activations, payload.positions)
+
+
+def _host_bytes_per_row(reduce: str, features: FeaturesWire | None, hidden_size: int) -> int:
+    """Host memory one captured token row can take at most: a float32 row of the hook point
+    per token, an SAE capture's (index, value) pairs per token (encoded on the device), and
+    nothing per token for what is reduced per sample on the device."""
+    if features is not None:
+        if features.reduce != "none":
+            return 0
+        return 8 * (len(features.features) if features.features is not None else features.top_k)
+    return hidden_size * 4 if reduce == "none" else 0
 
 
 def _check_reach(scope: Any, prompt_len: int, max_tokens: int, where: str) -> None:
