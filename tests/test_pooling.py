@@ -70,6 +70,29 @@ def test_prefill_then_decode_two_requests(reduce: str, spurious: bool) -> None:
     assert b.captured == 3
 
 
+@pytest.mark.parametrize("reduce", ["mean", "last", "max_norm"])
+def test_decode_steps_that_repeat_the_last_ones_requests_fold_every_row(reduce: str) -> None:
+    """Decode steps with the same requests in the same batch order reuse the last step's folds
+    (``PooledCaptures.fold(repeat=True)``); every row must still count once, the newest kept
+    apart.  b joins late (its prefill breaks the run), a leaves the batch for a step, and the
+    last step, a repeat, computed a row past a's answer (spurious) but b's last is an input."""
+    torch.manual_seed(1)
+    ra = torch.randn(14, WIDTH) * torch.rand(14, 1) * 4
+    rb = torch.randn(10, WIDTH) * torch.rand(10, 1) * 4
+    steps = [(ra[:3], [0, -1], [0, 3], [0])]  # a's prefill; b not scheduled yet
+    steps += [(ra[p : p + 1], [0, -1], [0, 1], [p]) for p in (3, 4, 5)]  # a alone: repeats from the third
+    steps.append((torch.cat([ra[6:7], rb[:2]]), [0, 1], [0, 1, 3], [6, 0]))  # b's prefill beside a's row
+    steps += [(torch.stack([ra[p], rb[p - 5]]), [0, 1], [0, 1, 2], [p, p - 5]) for p in (7, 8, 9, 10)]
+    steps.append((rb[6:7], [-1, 0], [0, 1], [6]))  # a preempted for a step: the batch changes
+    steps.append((torch.stack([rb[7], ra[11]]), [1, 0], [0, 1, 2], [7, 11]))  # back, in the other batch order
+    steps += [(torch.stack([rb[p - 4], ra[p]]), [1, 0], [0, 1, 2], [p - 4, p]) for p in (12, 13)]  # repeats
+    a, b = run_steps(reduce, steps)
+    got_a, got_b = finish_pooled(a, 12)["h"], finish_pooled(b, 9)["h"]
+    assert a.captured == 13 and b.captured == 10
+    np.testing.assert_allclose(got_a, reference(ra[:13], reduce), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got_b, reference(rb, reduce), rtol=1e-5, atol=1e-6)
+
+
 def steered_state(uid: str, prompt_len: int) -> RequestState:
     stage_row = np.array([1.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=np.float32)  # add bank row 1, coef 2
     item = SteerItem(index=0, label="add", site=0, stage=0, stage_row=stage_row, scope=Scope.resolve("all", prompt_len))

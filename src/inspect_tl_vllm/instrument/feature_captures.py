@@ -193,10 +193,10 @@ class FeatureCaptures:
         for part, acts in self._encoded(state.encoder, site, rows):
             chunk = np.arange(len(rows))[part]
             device, cuda = self.runtime.device, self.cuda
-            step_slots, newest = fold_group(
+            fold = fold_group(
                 pool, mode, acts, chunk - chunk[0], slots[part], positions[part], self.pending, device, cuda
             )
-            self.pending[step_slots] = newest
+            self.pending[fold.slots] = fold.newest
 
     def land(self, flights: list[FeatureFlight]) -> None:
         """Write landed per-token rows into their arenas (the flights' copies have completed)."""

@@ -13,6 +13,7 @@ into the requests' capture items.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -32,6 +33,7 @@ class PooledCaptures:
         self.cuda = cuda
         self.pools: dict[int, SiteAccumulators] = {}
         self.resets: dict[int, list[int]] = {}  # site -> slots whose accumulators must be zeroed
+        self._repeatable: list[tuple[SiteAccumulators, int, torch.Tensor, Fold]] | None = None  # the last step's
 
     def admit(self, state: RequestState) -> None:
         """Make room for the pooled request ``state`` (slot already taken); zeroed at the next step."""
@@ -54,23 +56,35 @@ class PooledCaptures:
         rows: np.ndarray,
         slots: np.ndarray,
         positions: np.ndarray,
+        *,
+        repeat: bool = False,
     ) -> None:
         """Fold this step's pooled rows into the accumulators, keeping each request's newest
         row apart as its pending row; ``pending`` (per request slot, the position of the
-        pending row, -1 for none) is updated."""
+        pending row, -1 for none) is updated.  ``repeat``: the rows are the next rows of the
+        last step's slots, at the same batch rows, so its folds apply again when they were
+        ``Fold.repeatable``."""
+        if repeat and self._repeatable is not None:
+            for pool, mode, staging, fold in self._repeatable:
+                fold.apply(pool, mode, staging)
+            pending[slots] = positions  # one row per slot: each is its slot's newest
+            return
         order = np.lexsort((positions, slots))
         newest_of_slot: dict[int, int] = {}
+        folds = []
         for key in np.unique(site_of * len(MODES) + mode_of).tolist():
             site, mode = divmod(key, len(MODES))
             group = order[(site_of[order] == site) & (mode_of[order] == mode)]
             staging = self.runtime.sites[site].staging
-            step_slots, newest = fold_group(
+            fold = fold_group(
                 self.pools[site], mode, staging, rows[group], slots[group], positions[group], pending,
                 self.runtime.device, self.cuda,
             )  # fmt: skip
-            newest_of_slot.update(zip(step_slots.tolist(), newest.tolist(), strict=True))
+            folds.append((self.pools[site], mode, staging, fold))
+            newest_of_slot.update(zip(fold.slots.tolist(), fold.newest.tolist(), strict=True))
         if newest_of_slot:
             pending[np.fromiter(newest_of_slot, np.int64)] = np.fromiter(newest_of_slot.values(), np.int64)
+        self._repeatable = folds if all(fold.repeatable for *_, fold in folds) else None
 
     def read(self, states: list[RequestState], to_host: Callable[[torch.Tensor], torch.Tensor]) -> PooledReads:
         """The pooled rows of ``states``, copied by ``to_host``: one read per site, however many requests."""
@@ -93,6 +107,34 @@ class PooledCaptures:
                 item.pooled = (row[:width].copy(), float(row[width]), row[width + 1 :].copy())
 
 
+@dataclass
+class Fold:
+    """One group's fold into its accumulators, as device indices: each slot's pending row from an
+    earlier step (``carried``), its earlier rows of this step, then its newest row, stashed as the
+    slot's pending row.  ``slots`` got a new pending row, at position ``newest``."""
+
+    carried: torch.Tensor
+    earlier_rows: torch.Tensor
+    earlier_slots: torch.Tensor
+    step_rows: torch.Tensor
+    step_slots: torch.Tensor
+    slots: np.ndarray
+    newest: np.ndarray
+
+    def apply(self, pool: SiteAccumulators, mode: int, source: torch.Tensor) -> None:
+        if len(self.carried):
+            pool.fold(mode, pool.pending, self.carried, self.carried)
+        if len(self.earlier_rows):
+            pool.fold(mode, source, self.earlier_rows, self.earlier_slots)
+        pool.stash(source, self.step_rows, self.step_slots)
+
+    @property
+    def repeatable(self) -> bool:
+        """One row per slot, each slot with a pending row already: the fold of the same slots'
+        next rows, at the same batch rows, is this same fold."""
+        return len(self.carried) == len(self.slots) and len(self.earlier_rows) == 0
+
+
 def fold_group(
     pool: SiteAccumulators,
     mode: int,
@@ -103,11 +145,11 @@ def fold_group(
     pending: np.ndarray,
     device: torch.device,
     cuda: bool,
-) -> tuple[np.ndarray, np.ndarray]:
+) -> Fold:
     """Fold ``source[rows]`` (sorted by slot, then position) into ``pool`` by ``mode``: each
     slot's pending row from an earlier step first (``pending[slot] >= 0``), then its earlier rows
-    of this step; its newest row becomes the pending one.  Returns the slots that got a new
-    pending row and its position; the caller records them in ``pending``."""
+    of this step; its newest row becomes the pending one.  Returns the fold; the caller records
+    its slots' new pending positions in ``pending``."""
     newest = np.r_[slots[1:] != slots[:-1], True]  # per slot, the row with the highest position
     step_slots, step_rows = slots[newest], rows[newest]
     earlier = ~newest
@@ -120,9 +162,6 @@ def fold_group(
     carried_t, earlier_rows, earlier_slots, step_slots_t, step_rows_t = (
         index[a:b] for a, b in zip(bounds[:-1], bounds[1:], strict=True)
     )
-    if len(carried):
-        pool.fold(mode, pool.pending, carried_t, carried_t)
-    if earlier.any():
-        pool.fold(mode, source, earlier_rows, earlier_slots)
-    pool.stash(source, step_rows_t, step_slots_t)
-    return step_slots, positions[newest]
+    fold = Fold(carried_t, earlier_rows, earlier_slots, step_rows_t, step_slots_t, step_slots, positions[newest])
+    fold.apply(pool, mode, source)
+    return fold

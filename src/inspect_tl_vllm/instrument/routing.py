@@ -13,7 +13,9 @@ Captures are routed on the host: the live requests are kept as arrays (``slots.L
 rebuilt only when a request is admitted or retired), their counters live in arrays under
 integer slots (``slots.Slots``), and a decode step (one row per request) is a few numpy
 operations over all of them.  Prefill chunks, listed positions and per-token captures take a
-per-request path.
+per-request path.  A step that repeats the last one (the same requests in the same batch
+order, one generated row each: ``_repeats_last_step``) reuses its routing, steering tables
+and pooled folds alike, and only advances positions and counters.
 
 After the step, ``end_step`` hands what the step's requests need to the modules that
 account it, all without waiting for the device: steered rows' stats to device-side receipt
@@ -53,6 +55,7 @@ class _StepWork:
     pooled: list[tuple[np.ndarray, ...]] = field(default_factory=list)  # sites, modes, rows, slots, positions
     per_token: list[PerToken] = field(default_factory=list)
     features: list[tuple[np.ndarray, ...]] = field(default_factory=list)  # slots, rows, positions (SAE captures)
+    repeat: bool = False  # pooled holds the last step's rows, one position on (``_route_repeat``)
 
     def __bool__(self) -> bool:
         return bool(self.pooled or self.per_token or self.features)
@@ -89,7 +92,10 @@ class StepRouter:
         self._mapped = 0  # entries of the map that may be non-zero
         self._batch: tuple[Layout, np.ndarray] | None = None  # what the map was written for
         self._slot_of_row: torch.Tensor | None = None  # the last step's rows' request slots + 1
-        self._generated_rows = -1  # the last step's row count when each was a steered request's generated row
+        self._last_batch: tuple[Layout, np.ndarray] | None = None  # the last step's layout and batch indices
+        self._generated_rows = -1  # the last step's row count when each was an instrumented request's generated row
+        # the last step's capture work when a repeat can redo it: slots counted, pooled rows
+        self._repeat: tuple[np.ndarray, tuple[np.ndarray, ...] | None] | None = None
         self._live: dict[int, RequestState] = {}  # request slot -> state, in admission order
         self._pooled_items: dict[int, PooledItems] = {}  # request slot -> its pooled captures
         self._layout: Layout | None = None
@@ -161,11 +167,36 @@ class StepRouter:
             self._retiring = []
         work = _StepWork()
         layout = self._current_layout()
+        self._work = None
+        if not (layout.states or self._steering.active):
+            return
+        repeat = self._repeats_last_step(layout, batch_index, query_start, computed)
         if self._steering.active:
-            self._steer(layout, batch_index, query_start, computed, rows)
-        if layout.states and self.collect and layout.captures:
+            self._steer(layout, batch_index, query_start, computed, rows, repeat)
+        if not (layout.states and self.collect and layout.captures):
+            self._repeat = None
+        elif repeat and self._repeat is not None:
+            self._route_repeat(layout, batch_index, computed, work)
+        else:
             self._route(layout, batch_index, query_start, computed, work)
         self._work = work if work else None
+
+    def _repeats_last_step(
+        self, layout: Layout, batch_index: np.ndarray, query_start: np.ndarray, computed: np.ndarray
+    ) -> bool:
+        """Whether this step's rows are the last step's requests' next rows: the same requests
+        in the same batch order, one generated row each, in both steps.  No row can then have
+        crossed into or out of a prompt/generated/all scope, and each lies where its request's
+        row lay, so the last step's routing holds again (listed positions aside)."""
+        same = self._last_batch is not None and self._last_batch[0] is layout
+        same = same and np.array_equal(self._last_batch[1], batch_index)
+        if not same:
+            self._last_batch = (layout, batch_index.copy())
+        count = int(query_start[-1]) if len(query_start) else 0
+        generated = count == len(query_start) - 1 and self._generated_rows_only(layout, batch_index, computed)
+        repeat = same and generated and count == self._generated_rows
+        self._generated_rows = count if generated else -1
+        return repeat
 
     def _steer(
         self,
@@ -174,26 +205,22 @@ class StepRouter:
         query_start: np.ndarray,
         computed: np.ndarray,
         rows: tuple[torch.Tensor, torch.Tensor] | None,
+        repeat: bool,
     ) -> None:
         """Hand the steering its rows: each row's request slot, and whether the tables the last
-        step wrote still hold (the same requests in the same order, one generated row each, in
-        both steps: then no row can have crossed into or out of a scope)."""
+        step wrote still hold (``repeat``)."""
         if rows is None:
             rows = self._rows_of(query_start, computed)
-        count = rows[0].shape[0]
         remapped = self._map_batch(layout, batch_index)
-        generated = count == len(query_start) - 1 and self._generated_rows_only(layout, batch_index, computed)
-        same_rows = not remapped and generated and count == self._generated_rows
-        if not same_rows or self._slot_of_row is None:
+        if remapped or not repeat or self._slot_of_row is None:
             self._slot_of_row = self._slot_of_batch_device.index_select(0, rows[0])
-        self._generated_rows = count if generated else -1
-        self._steering.begin(self._slot_of_row, rows[1], same_rows=same_rows)
+        self._steering.begin(self._slot_of_row, rows[1], same_rows=repeat and not remapped)
 
     @staticmethod
     def _generated_rows_only(layout: Layout, batch_index: np.ndarray, computed: np.ndarray) -> bool:
-        """In a step of one row per request: whether every steered request's row is a generated token's."""
-        steered = (batch_index >= 0) & layout.steered
-        return bool(np.all(computed[batch_index[steered]] >= layout.prompt_len[steered]))
+        """In a step of one row per request: whether every instrumented request's row is a generated token's."""
+        mine = (batch_index >= 0) & (layout.steered | (layout.capture_kind >= 0))
+        return bool(np.all(computed[batch_index[mine]] >= layout.prompt_len[mine]))
 
     def _map_batch(self, layout: Layout, batch_index: np.ndarray) -> bool:
         """Write which request slot sits at each batch index; whether that changed."""
@@ -249,9 +276,30 @@ class StepRouter:
             if captured[k] and state.error is None:
                 rows, positions = starts[k : k + 1], first[k : k + 1]
                 work.per_token.extend((state, item, rows, positions) for item in state.capture)
-        for k in np.nonzero(active & ~decode & (layout.capture_kind >= 0))[0]:
+        blocks = np.nonzero(active & ~decode & (layout.capture_kind >= 0))[0]
+        for k in blocks:
             self._route_block(layout.states[k], int(starts[k]), int(counts[k]), int(first[k]), int(seen[k]), work)
         self._requests["seen"][layout.slot[active]] = np.maximum(seen[active], first[active] + counts[active] - 1)
+        # What a repeat of this step (``_repeats_last_step``) redoes: only pooled decode rows, all new.
+        candidates = decode & (layout.capture_kind >= 0)
+        simple = not (blocks.size or work.per_token or work.features) and bool(fresh[candidates].all())
+        simple = simple and not (layout.capture_kind == SCOPE_CODES["listed"]).any()
+        pooled = work.pooled[0] if work.pooled else None
+        self._repeat = (layout.slot[captured & layout.pooled], pooled) if simple else None
+
+    def _route_repeat(self, layout: Layout, batch_index: np.ndarray, computed: np.ndarray, work: _StepWork) -> None:
+        """Captures of a step that repeats the last one: the same pooled rows, one position on."""
+        assert self._repeat is not None
+        counted, pooled = self._repeat
+        present = batch_index >= 0
+        self._requests["seen"][layout.slot[present]] = computed[batch_index[present]]
+        self._requests["captured"][counted] += 1
+        if pooled is not None:
+            sites, modes, rows, slots, positions = pooled
+            pooled = (sites, modes, rows, slots, positions + 1)
+            self._repeat = (counted, pooled)
+            work.pooled.append(pooled)
+            work.repeat = True
 
     def _captured_decode_rows(
         self, layout: Layout, decode: np.ndarray, first: np.ndarray, fresh: np.ndarray
@@ -317,7 +365,8 @@ class StepRouter:
         """Account a step's captures on the device; only per-token rows need copies (a flight) to the host."""
         if work.pooled:
             pending = self._requests["pending"]
-            self._pooled.fold(pending, *(np.concatenate(parts) for parts in zip(*work.pooled, strict=True)))
+            parts = (np.concatenate(parts) for parts in zip(*work.pooled, strict=True))
+            self._pooled.fold(pending, *parts, repeat=work.repeat)
         features = []
         if work.features:
             slots, rows, positions = (np.concatenate(parts) for parts in zip(*work.features, strict=True))
