@@ -33,7 +33,8 @@ class PooledCaptures:
         self.cuda = cuda
         self.pools: dict[int, SiteAccumulators] = {}
         self.resets: dict[int, list[int]] = {}  # site -> slots whose accumulators must be zeroed
-        self._repeatable: list[tuple[SiteAccumulators, int, torch.Tensor, Fold]] | None = None  # the last step's
+        # the last step's folds (accumulators, mode, source), when a repeat of that step may apply them again
+        self._repeatable: list[tuple[SiteAccumulators, int, torch.Tensor, Fold]] | None = None
 
     def admit(self, state: RequestState) -> None:
         """Make room for the pooled request ``state`` (slot already taken); zeroed at the next step."""
