@@ -71,6 +71,11 @@ class FeaturesWire(Message):
     features: list[int] | None
     reduce: str  # none | mean | max | last, over the captured rows in feature space
 
+    def kept(self) -> int:
+        """Features kept per row: the listed ones, or the top k (the front end keeps ``top_k``
+        within the SAE's width)."""
+        return len(self.features) if self.features is not None else self.top_k
+
 
 class CaptureWire(Message):
     hooks: list[tuple[str, int]]  # (hook point, site)

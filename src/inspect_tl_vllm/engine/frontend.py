@@ -318,9 +318,7 @@ def _host_bytes_per_row(reduce: str, features: FeaturesWire | None, hidden_size:
     per token, an SAE capture's (index, value) pairs per token (encoded on the device), and
     nothing per token for what is reduced per sample on the device."""
     if features is not None:
-        if features.reduce != "none":
-            return 0
-        return 8 * (len(features.features) if features.features is not None else features.top_k)
+        return 0 if features.reduce != "none" else 8 * features.kept()
     return hidden_size * 4 if reduce == "none" else 0
 
 

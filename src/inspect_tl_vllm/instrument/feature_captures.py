@@ -249,9 +249,8 @@ def pooled(state: RequestState) -> bool:
 
 
 def row_width(wire: FeaturesWire) -> int:
-    """Numbers per per-token row: the kept features' values, then their indices (the front end
-    keeps ``top_k`` within the SAE's width)."""
-    return 2 * (len(wire.features) if wire.features is not None else wire.top_k)
+    """Numbers per per-token row: the kept features' values, then their indices."""
+    return 2 * wire.kept()
 
 
 def group_key(state: RequestState) -> tuple[Any, ...]:
