@@ -14,7 +14,7 @@ rebuilt only when a request is admitted or retired), their counters live in arra
 integer slots (``slots.Slots``), and a decode step (one row per request) is a few numpy
 operations over all of them.  Prefill chunks, listed positions and per-token captures take a
 per-request path.  A step that repeats the last one (the same requests in the same batch
-order, one generated row each: ``_repeats_last_step``) reuses its routing, steering tables
+order, one generated row each: ``_compare_with_last_step``) reuses its routing, steering tables
 and pooled folds alike, and only advances positions and counters.
 
 After the step, ``end_step`` hands what the step's requests need to the modules that
@@ -90,7 +90,6 @@ class StepRouter:
             self._slot_of_batch = self._slot_of_batch.pin_memory()
         self._slot_of_batch_device = self._slot_of_batch.to(runtime.device)
         self._mapped = 0  # entries of the map that may be non-zero
-        self._batch: tuple[Layout, np.ndarray] | None = None  # what the map was written for
         self._slot_of_row: torch.Tensor | None = None  # the last step's rows' request slots + 1
         self._last_batch: tuple[Layout, np.ndarray] | None = None  # the last step's layout and batch indices
         self._generated_rows = -1  # the last step's row count when each was an instrumented request's generated row
@@ -170,9 +169,9 @@ class StepRouter:
         self._work = None
         if not (layout.states or self._steering.active):
             return
-        repeat = self._repeats_last_step(layout, batch_index, query_start, computed)
+        same_batch, repeat = self._compare_with_last_step(layout, batch_index, query_start, computed)
         if self._steering.active:
-            self._steer(layout, batch_index, query_start, computed, rows, repeat)
+            self._steer(layout, batch_index, query_start, computed, rows, same_batch, repeat)
         if not (layout.states and self.collect and layout.captures):
             self._repeat = None
         elif repeat and self._repeat is not None:
@@ -181,13 +180,14 @@ class StepRouter:
             self._route(layout, batch_index, query_start, computed, work)
         self._work = work if work else None
 
-    def _repeats_last_step(
+    def _compare_with_last_step(
         self, layout: Layout, batch_index: np.ndarray, query_start: np.ndarray, computed: np.ndarray
-    ) -> bool:
-        """Whether this step's rows are the last step's requests' next rows: the same requests
-        in the same batch order, one generated row each, in both steps.  No row can then have
-        crossed into or out of a prompt/generated/all scope, and each lies where its request's
-        row lay, so the last step's routing holds again (listed positions aside)."""
+    ) -> tuple[bool, bool]:
+        """Whether the live requests and their batch indices are the last step's, and whether
+        this step repeats it: its rows are the last step's requests' next rows, one generated
+        row each in both steps.  No row can then have crossed into or out of a
+        prompt/generated/all scope, and each lies where its request's row lay, so the last
+        step's routing holds again (listed positions aside)."""
         same = self._last_batch is not None and self._last_batch[0] is layout
         same = same and np.array_equal(self._last_batch[1], batch_index)
         if not same:
@@ -196,7 +196,7 @@ class StepRouter:
         generated = count == len(query_start) - 1 and self._generated_rows_only(layout, batch_index, computed)
         repeat = same and generated and count == self._generated_rows
         self._generated_rows = count if generated else -1
-        return repeat
+        return same, repeat
 
     def _steer(
         self,
@@ -205,16 +205,20 @@ class StepRouter:
         query_start: np.ndarray,
         computed: np.ndarray,
         rows: tuple[torch.Tensor, torch.Tensor] | None,
+        same_batch: bool,
         repeat: bool,
     ) -> None:
         """Hand the steering its rows: each row's request slot, and whether the tables the last
-        step wrote still hold (``repeat``)."""
+        step wrote still hold (``repeat``).  The batch-index map is rewritten when the batch or
+        the live requests changed; with steering live in both steps (admitting or retiring a
+        steered request changes the layout) it was written for the last step otherwise."""
         if rows is None:
             rows = self._rows_of(query_start, computed)
-        remapped = self._map_batch(layout, batch_index)
-        if remapped or not repeat or self._slot_of_row is None:
+        if not same_batch:
+            self._map_batch(layout, batch_index)
+        if not repeat or self._slot_of_row is None:
             self._slot_of_row = self._slot_of_batch_device.index_select(0, rows[0])
-        self._steering.begin(self._slot_of_row, rows[1], same_rows=repeat and not remapped)
+        self._steering.begin(self._slot_of_row, rows[1], same_rows=repeat)
 
     @staticmethod
     def _generated_rows_only(layout: Layout, batch_index: np.ndarray, computed: np.ndarray) -> bool:
@@ -222,11 +226,8 @@ class StepRouter:
         mine = (batch_index >= 0) & (layout.steered | (layout.capture_kind >= 0))
         return bool(np.all(computed[batch_index[mine]] >= layout.prompt_len[mine]))
 
-    def _map_batch(self, layout: Layout, batch_index: np.ndarray) -> bool:
-        """Write which request slot sits at each batch index; whether that changed."""
-        if self._batch is not None and self._batch[0] is layout and np.array_equal(self._batch[1], batch_index):
-            return False
-        self._batch = (layout, batch_index.copy())
+    def _map_batch(self, layout: Layout, batch_index: np.ndarray) -> None:
+        """Write which steered request's slot sits at each batch index."""
         present = batch_index >= 0
         mapped = int(batch_index.max(initial=-1)) + 1
         span = max(self._mapped, mapped)
@@ -237,7 +238,6 @@ class StepRouter:
         self._slot_of_batch_device[:span].copy_(self._slot_of_batch[:span], non_blocking=True)
         self._mapped = mapped
         self.max_requests_steered_in_one_step = max(self.max_requests_steered_in_one_step, int(steered.sum()))
-        return True
 
     def _rows_of(self, query_start: np.ndarray, computed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token row's batch index and position, as vLLM's runner computes them."""
@@ -280,7 +280,7 @@ class StepRouter:
         for k in blocks:
             self._route_block(layout.states[k], int(starts[k]), int(counts[k]), int(first[k]), int(seen[k]), work)
         self._requests["seen"][layout.slot[active]] = np.maximum(seen[active], first[active] + counts[active] - 1)
-        # What a repeat of this step (``_repeats_last_step``) redoes: only pooled decode rows, all new.
+        # What a repeat of this step (``_compare_with_last_step``) redoes: only pooled decode rows, all new.
         candidates = decode & (layout.capture_kind >= 0)
         simple = not (blocks.size or work.per_token or work.features) and bool(fresh[candidates].all())
         simple = simple and not (layout.capture_kind == SCOPE_CODES["listed"]).any()

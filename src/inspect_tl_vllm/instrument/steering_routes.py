@@ -73,7 +73,7 @@ class SteeringRoutes:
         self._listed_changed = False
         # per group of steered site tables: the receipt index of each row's stages, as routed
         # (``_routed``) and as counted this step (``_counted``: rows recomputed after preemption left out)
-        self._routed: list[tuple[list[int], torch.Tensor]] = []
+        self._routed: list[tuple[list[int], torch.Tensor | None]] = []
         self._counted: list[tuple[list[int], torch.Tensor]] = []
 
     # -- requests -------------------------------------------------------------------------
@@ -160,10 +160,10 @@ class SteeringRoutes:
         """Write this step's rows of every steered site's table (``slot_of_row``: each row's
         request slot + 1, 0 for a plain request; ``positions``: each row's position).
 
-        ``same_rows``: the rows belong to the same requests as in the last step and both steps
-        were decode steps, so with no listed positions the tables already hold these rows:
-        coverage of a prompt/generated/all scope cannot change within the generated tokens.
-        Only the receipts' rows are then counted again."""
+        ``same_rows``: the rows are the last step's requests' next rows, one generated row each
+        in both steps (the router's ``_compare_with_last_step``), so with no listed positions
+        the tables already hold them: coverage of a prompt/generated/all scope cannot change
+        within the generated tokens.  Only the receipts' rows are then counted again."""
         changed = bool(self._admitted or self._listed_changed or self._to_clear)
         if self._admitted:
             self._write_admissions()
@@ -180,12 +180,16 @@ class SteeringRoutes:
             self._routed = self._expand(slot_of_row, positions)
         if self.collect:
             fresh = (positions > self.seen.index_select(0, slot_of_row))[None, :, None]
-            self._counted = [(group, torch.where(fresh, receipt, 0)) for group, receipt in self._routed]
+            self._counted = [
+                (group, torch.where(fresh, receipt, 0)) for group, receipt in self._routed if receipt is not None
+            ]
             self.seen.scatter_reduce_(0, slot_of_row, positions, "amax")
 
-    def _expand(self, slot_of_row: torch.Tensor, positions: torch.Tensor) -> list[tuple[list[int], torch.Tensor]]:
+    def _expand(
+        self, slot_of_row: torch.Tensor, positions: torch.Tensor
+    ) -> list[tuple[list[int], torch.Tensor | None]]:
         """Write the steered sites' tables for these rows; per group of sites, the receipt slot
-        + 1 that each row's stages count toward (0: not steered)."""
+        + 1 that each row's stages count toward (0: not steered), or None when nothing is counted."""
         rows = slot_of_row.shape[0]
         routed = []
         per_group = max(1, GATHER_ENTRIES // (rows * self.stack))
@@ -197,7 +201,7 @@ class SteeringRoutes:
             stages = torch.where(covered[..., None], self.stages[index[:, None], slot_of_row[None, :]], self.identity)
             for k, table in enumerate(group):
                 self.runtime.sites[self.sites[table]].table[:rows].copy_(stages[k])
-            routed.append((group, torch.where(covered, spans[..., 3], 0) if self.collect else spans))
+            routed.append((group, torch.where(covered, spans[..., 3], 0) if self.collect else None))
         return routed
 
     def _covered(self, spans: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
