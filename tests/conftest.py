@@ -170,14 +170,14 @@ async def engine_thread_status(engine_thread: Any) -> dict[str, Any]:
     return merge_status(await engine_thread.run(lambda: instrumented.llm.collective_rpc("tlvllm_status")))
 
 
-def cpu_hook_runtime(hidden_size: int):
-    """The hook buffers of one site (index 0) on the CPU, for driving the step router without an engine."""
+def cpu_hook_runtime(hidden_size: int, *, sites: tuple[int, ...] = (0,), max_stack: int = 1, max_tokens: int = 16):
+    """The hook buffers of ``sites`` on the CPU, for driving the step router without an engine."""
     import torch
 
     from inspect_tl_vllm.instrument.runtime import HookRuntime
 
     return HookRuntime(
-        site_indices=[0], hidden_size=hidden_size, max_tokens=16, max_stack=1, max_vectors=1,
+        site_indices=list(sites), hidden_size=hidden_size, max_tokens=max_tokens, max_stack=max_stack, max_vectors=1,
         device=torch.device("cpu"), act_dtype=torch.float32,
     )  # fmt: skip
 

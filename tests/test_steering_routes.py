@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from conftest import cpu_hook_runtime
 from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope, SteerItem
 from inspect_tl_vllm.instrument.routing import StepRouter
 from inspect_tl_vllm.instrument.runtime import IDENTITY_STAGE, HookRuntime
@@ -24,10 +25,7 @@ SCOPES = ["all", "prompt", "generated", [0, 2, 5, -1], [1, 7, 8, 40]]
 
 
 def runtime() -> HookRuntime:
-    return HookRuntime(
-        site_indices=list(SITES), hidden_size=4, max_tokens=64, max_stack=STACK, max_vectors=4,
-        device=torch.device("cpu"), act_dtype=torch.float32,
-    )  # fmt: skip
+    return cpu_hook_runtime(4, sites=SITES, max_stack=STACK, max_tokens=64)
 
 
 def steered(uid: int, rng: np.random.Generator, prompt_len: int) -> RequestState:
