@@ -18,6 +18,7 @@ from conftest import cpu_hook_runtime
 from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope, SteerItem
 from inspect_tl_vllm.instrument.routing import StepRouter
 from inspect_tl_vllm.instrument.runtime import IDENTITY_STAGE, HookRuntime
+from random_traffic import Batch, Rows, drive, random_walk
 
 SITES = (3, 7)
 STACK = 2
@@ -43,7 +44,7 @@ def steered(uid: int, rng: np.random.Generator, prompt_len: int) -> RequestState
     return RequestState(uid=str(uid), prompt_len=prompt_len, steer=items, capture=[])
 
 
-def expected_table(run: HookRuntime, site: int, rows: list[tuple[RequestState | None, int]]) -> torch.Tensor:
+def expected_table(run: HookRuntime, site: int, rows: Rows) -> torch.Tensor:
     table = torch.tensor(IDENTITY_STAGE).repeat(len(rows), STACK, 1)
     for r, (state, position) in enumerate(rows):
         for item in state.steer if state is not None else []:
@@ -52,22 +53,19 @@ def expected_table(run: HookRuntime, site: int, rows: list[tuple[RequestState | 
     return table
 
 
-def step(router: StepRouter, run: HookRuntime, batch: list[tuple[RequestState | None, int, int]]) -> None:
-    """One step: per batch entry the request (None: not instrumented), its computed tokens and
-    its rows this step.  Checks every site's table, then lets the 'hook' write ``row_stats``:
+def check_tables(run: HookRuntime, rows: Rows) -> None:
+    """Every site's table must equal the expected one; then the 'hook' writes ``row_stats``:
     row r's norm change is 1 + r, so receipts can be checked."""
-    index_of = {id(state): b for b, (state, _, _) in enumerate(batch) if state is not None}
-    batch_index = np.array([index_of.get(id(s), -1) for s in router.states], dtype=np.int64)
-    counts = [n for _, _, n in batch]
-    query_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-    computed = np.array([c for _, c, _ in batch], dtype=np.int64)
-    router.begin_step(batch_index, query_start, computed)
-    rows = [(state, c + i) for state, c, n in batch for i in range(n)]
     for site in SITES:
         got = run.sites[site].table[: len(rows)]
         assert torch.equal(got, expected_table(run, site, rows)), site
         run.sites[site].row_stats[: len(rows), 0] = torch.arange(1, len(rows) + 1, dtype=torch.float32)
-    router.end_step()
+
+
+def step(router: StepRouter, run: HookRuntime, batch: Batch) -> None:
+    """One step, checked: per batch entry the request (None: not instrumented), its computed
+    tokens and its rows this step."""
+    drive(router, batch, lambda rows: check_tables(run, rows))
 
 
 def test_tables_follow_scopes_through_changing_batches_and_receipts_count_each_position_once() -> None:
@@ -148,3 +146,26 @@ def test_a_batch_that_keeps_its_requests_from_prefill_to_decode_gets_new_rows() 
     router.drain()
     router.snapshot([answer, prompt])
     assert answer.steer[0].rows == 3 and prompt.steer[0].rows == 5
+
+
+def test_a_random_walk_of_arrivals_chunked_prefills_preemptions_and_departures_keeps_every_table_exact() -> None:
+    """Hundreds of steps of seeded random traffic (``random_traffic.py``): requests steered at
+    random sites, stages and scopes, instrumented without steering, and not instrumented.
+    Every step each site's table must hold exactly the stages whose scope covers each row; at
+    the end each intervention's receipt must count each position it covered once, however
+    often it was computed."""
+    rng = np.random.default_rng(24)
+    run = runtime()
+    router = StepRouter(run)
+
+    def new_state(uid: int, prompt_len: int) -> RequestState | None:
+        kind = rng.random()
+        if kind < 0.6:
+            return steered(uid, rng, prompt_len)
+        return RequestState(uid=str(uid), prompt_len=prompt_len, steer=[], capture=[]) if kind < 0.8 else None
+
+    finished = random_walk(router, rng, new_state, lambda rows: check_tables(run, rows))
+    assert sum(1 for state, _ in finished if state.steer) > 40
+    for state, high in finished:
+        for item in state.steer:
+            assert item.rows == sum(item.scope.covers(p) for p in range(high + 1)), (state.uid, item.scope)
