@@ -2,7 +2,9 @@
 
 vLLM loads it in every process that runs vLLM code, including plain engines and servers
 that never asked for instrumentation.  It only wraps three methods; the wrappers act when
-the engine's ``additional_config`` carries the ``tlvllm`` key and do nothing otherwise.
+the engine's ``additional_config`` carries the ``tlvllm`` key and do nothing otherwise.  The
+worker's two are wrapped when a process imports vLLM's worker module (``after_import``): the
+front end never does.
 
 - ``Worker.load_model``: before it, start the parent watchdog (below); after it, install the
   hooks, before the memory profile run that triggers torch.compile (hooks registered later
@@ -24,12 +26,16 @@ once its parent is gone; the engine core goes first and its workers follow.
 from __future__ import annotations
 
 import functools
+import importlib.abc
+import importlib.machinery
+import importlib.util
 import multiprocessing
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable
+from types import ModuleType
 from typing import Any
 
 from inspect_tl_vllm.specs import TAG
@@ -72,18 +78,63 @@ def unsupported_vllm() -> str | None:
     )
 
 
+WORKER_MODULE = "vllm.v1.worker.gpu_worker"
+"""Where vLLM's ``Worker`` lives (the CPU worker subclasses it)."""
+
+
 def register() -> None:
     if unsupported_vllm() is not None:
         return  # no half-patched engine: construct_instrumented_llm refuses to build one, with the reason
-    from vllm.v1.engine.core import EngineCore
-    from vllm.v1.worker import gpu_worker  # the CPU worker subclasses this Worker
-
-    from inspect_tl_vllm.engine import worker as tl_worker
+    from vllm.v1.engine.core import EngineCore  # the front end has imported it already
 
     _quiet_cpu_shutdown()
+    _wrap(EngineCore, "_initialize_kv_caches", before=_watch_if_instrumented)
+    # The worker module is wrapped when a process imports it: importing it here would cost every
+    # front end (which runs no worker) 2-3 s of kernel-module imports before its engine starts.
+    after_import(WORKER_MODULE, _wrap_worker)
+
+
+def _wrap_worker(gpu_worker: ModuleType) -> None:
+    from inspect_tl_vllm.engine import worker as tl_worker
+
     _wrap(gpu_worker.Worker, "load_model", before=_watch_if_instrumented, after=tl_worker.attach)
     _wrap(gpu_worker.Worker, "compile_or_warm_up_model", after=tl_worker.verify_hooks_fired)
-    _wrap(EngineCore, "_initialize_kv_caches", before=_watch_if_instrumented)
+
+
+def after_import(name: str, patch: Callable[[ModuleType], None]) -> None:
+    """Call ``patch(module)`` for module ``name``: now if it is imported, else as soon as its
+    first import has run its code (before the importer sees it)."""
+    module = sys.modules.get(name)
+    if module is not None:
+        patch(module)
+    elif not any(isinstance(f, _PatchOnImport) and f.name == name for f in sys.meta_path):
+        sys.meta_path.insert(0, _PatchOnImport(name, patch))
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """A one-shot finder: lets the other finders find module ``name``, then has its loader
+    call ``patch`` right after the module's code ran."""
+
+    def __init__(self, name: str, patch: Callable[[ModuleType], None]) -> None:
+        self.name = name
+        self.patch = patch
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> importlib.machinery.ModuleSpec | None:
+        if fullname != self.name:
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(fullname)
+        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
+            return spec
+        run_module_code = spec.loader.exec_module
+        patch = self.patch
+
+        def exec_module(module: ModuleType) -> None:
+            run_module_code(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_module  # type: ignore[method-assign]  (this module's own loader)
+        return spec
 
 
 def _quiet_cpu_shutdown() -> None:

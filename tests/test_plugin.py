@@ -1,0 +1,36 @@
+"""The vLLM plugin (``engine/plugin.py``) wraps vLLM's worker only where a worker is imported.
+
+A front end (``inspect eval``, the Python API) builds engine arguments, and vLLM loads every
+general plugin then; importing the worker module there would cost seconds of kernel-module
+imports before the engine starts.  The worker module is wrapped when a process first imports
+it, which this checks in a fresh interpreter with the real vLLM.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+FRONT_END = """
+import sys
+from vllm.engine.arg_utils import AsyncEngineArgs
+
+AsyncEngineArgs(model=sys.argv[1])  # loads the general plugins, ours among them
+assert "vllm.v1.worker.gpu_worker" not in sys.modules, "the front end imported vLLM's worker"
+from vllm.v1.worker import gpu_worker
+
+for name in ("load_model", "compile_or_warm_up_model"):
+    assert getattr(getattr(gpu_worker.Worker, name), "_tlvllm_wrapped", False), name
+print("wrapped on import")
+"""
+
+
+def test_the_front_end_does_not_import_the_worker_and_the_worker_is_wrapped_when_imported(
+    smollm2_dir: Path,
+) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", FRONT_END, str(smollm2_dir)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "wrapped on import" in done.stdout
