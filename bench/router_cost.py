@@ -6,11 +6,11 @@
 The router's ``begin_step`` / ``end_step`` run on vLLM's critical path: at 256 concurrent
 requests an 8B decode step on an H200 is ~11 ms, most of it vLLM's own host work, so every
 tenth of a millisecond the router adds can show in throughput.  This drives a real
-``StepRouter`` through a prefill step and then decode steps for five workloads (every request
-steered at one site; the same with one request replaced by a new one, prefilling, every step,
-as when an eval's samples finish at different times; every request capturing one site reduced
-by mean; every request capturing the top 32 features of a stand-in SAE per token; and nothing
-requested) and prints the median host time per step, as wall time and as the thread's CPU
+``StepRouter`` through a prefill step and then decode steps for six workloads (every request
+steered at one site; every request capturing one site reduced by mean; each of the two with
+one request replaced by a new one, prefilling, every step, as when an eval's samples finish at
+different times; every request capturing the top 32 features of a stand-in SAE per token; and
+nothing requested) and prints the median host time per step, as wall time and as the thread's CPU
 time.  Each row's batch index and position are made before the clock starts: vLLM's runner
 computes them for its own inputs.  It runs on the GPU when
 there is one (device copies and kernel launches included) and on the CPU otherwise.  Set
@@ -40,7 +40,7 @@ from inspect_tl_vllm.wire import FeaturesWire
 
 PROMPT_LEN = 40
 SAE_FEATURES = 1024  # the stand-in SAE's width: the host work does not depend on it
-WORKLOADS = ("plain", "steer", "steer_churn", "capture_mean", "features")
+WORKLOADS = ("plain", "steer", "steer_churn", "capture_mean", "capture_mean_churn", "features")
 
 
 class StandInEncoder:
@@ -56,17 +56,18 @@ class StandInEncoder:
 
 
 def states(workload: str, count: int, site: int, encoder: Any = None) -> list[RequestState]:
+    kind = workload.removesuffix("_churn")
     out = []
     for i in range(count):
         state = RequestState(uid=f"r{i}", prompt_len=PROMPT_LEN, steer=[], capture=[])
-        if workload in ("steer", "steer_churn"):
+        if kind == "steer":
             row = np.array([i + 1, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=np.float32)  # add bank row i + 1
             state.steer = [SteerItem(0, "add", site, 0, row, Scope.resolve("all", PROMPT_LEN))]
-        elif workload == "capture_mean":
+        elif kind == "capture_mean":
             state.capture = [CaptureItem(hook="h", site=site)]
             state.capture_scope = Scope.resolve("all", PROMPT_LEN)
             state.reduce = "mean"
-        elif workload == "features":  # top 32 SAE features per token (instrument/feature_captures.py)
+        elif kind == "features":  # top 32 SAE features per token (instrument/feature_captures.py)
             state.capture = [CaptureItem(hook="h", site=site)]
             state.capture_scope = Scope.resolve("all", PROMPT_LEN)
             state.features = FeaturesWire(sae="-", top_k=32, features=None, reduce="none")
@@ -99,9 +100,10 @@ def run(workload: str, args: argparse.Namespace, device: torch.device) -> list[t
     router.begin_step(batch_index, query_start, computed)
     router.end_step()
     computed += PROMPT_LEN
+    churn = workload.endswith("_churn")
     times = []
     for step in range(args.steps):
-        if workload == "steer_churn":  # one request done, a new one in its batch slot (a real eval's steady state)
+        if churn:  # one request done, a new one in its batch slot (a real eval's steady state)
             k = step % n
             router.retire(requests[k])
             requests[k] = states(workload, 1, site)[0]
@@ -114,7 +116,7 @@ def run(workload: str, args: argparse.Namespace, device: torch.device) -> list[t
         positions = computed[row_batch] + np.arange(len(row_batch)) - query_start[row_batch]
         rows = (torch.from_numpy(row_batch).to(device), torch.from_numpy(positions.astype(np.int64)).to(device))
         started, cpu = time.perf_counter(), time.thread_time()
-        index = _batch_of(router, requests) if workload == "steer_churn" else batch_index  # the worker's lookup
+        index = _batch_of(router, requests) if churn else batch_index  # the worker's lookup
         router.begin_step(index, query_start, computed, rows)
         router.end_step()
         times.append((time.perf_counter() - started, time.thread_time() - cpu))

@@ -27,6 +27,6 @@ if [ $# -eq 0 ]; then
   echo "test: vLLM 0.32.0: building $ROOT/.venv/vllm-0.32.0 (the other supported release; ~2 min the first time)"
   TLVLLM_VENV="$ROOT/.venv/vllm-0.32.0" TLVLLM_VLLM_VERSION=0.32.0 bash "$ROOT/scripts/setup.sh"
   "$ROOT/.venv/vllm-0.32.0/bin/python" -m pytest -q -p no:cacheprovider tests/test_engine_core.py \
-    tests/test_provider.py tests/test_errors.py tests/test_hostile.py tests/test_s3.py
+    tests/test_provider.py tests/test_errors.py tests/test_hostile.py tests/test_s3.py tests/test_plugin.py
   echo "test: vLLM 0.32.0 finished in $(( $(date +%s) - start )) s"
 fi

@@ -28,5 +28,5 @@ def test_router_cost_runs_every_workload(tmp_path):
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
-    workloads = ("plain", "steer", "steer_churn", "capture_mean", "features")
+    workloads = ("plain", "steer", "steer_churn", "capture_mean", "capture_mean_churn", "features")
     assert {f"{workload}_ms_per_step" for workload in workloads} <= set(result)
