@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import json
 import pstats
 import statistics
@@ -33,12 +34,14 @@ from typing import Any
 import numpy as np
 import torch
 
+from inspect_tl_vllm.engine.worker import batch_indices
 from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope, SteerItem
 from inspect_tl_vllm.instrument.routing import StepRouter
 from inspect_tl_vllm.instrument.runtime import HookRuntime
 from inspect_tl_vllm.wire import FeaturesWire
 
 PROMPT_LEN = 40
+REQUEST_IDS = itertools.count()
 SAE_FEATURES = 1024  # the stand-in SAE's width: the host work does not depend on it
 WORKLOADS = ("plain", "steer", "steer_churn", "capture_mean", "capture_mean_churn", "features")
 
@@ -60,6 +63,7 @@ def states(workload: str, count: int, site: int, encoder: Any = None) -> list[Re
     out = []
     for i in range(count):
         state = RequestState(uid=f"r{i}", prompt_len=PROMPT_LEN, steer=[], capture=[])
+        state.req_id = f"{state.uid}-{next(REQUEST_IDS)}"  # as vLLM's, unique per request
         if kind == "steer":
             row = np.array([i + 1, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=np.float32)  # add bank row i + 1
             state.steer = [SteerItem(0, "add", site, 0, row, Scope.resolve("all", PROMPT_LEN))]
@@ -115,20 +119,15 @@ def run(workload: str, args: argparse.Namespace, device: torch.device) -> list[t
         row_batch = np.repeat(np.arange(n), counts)
         positions = computed[row_batch] + np.arange(len(row_batch)) - query_start[row_batch]
         rows = (torch.from_numpy(row_batch).to(device), torch.from_numpy(positions.astype(np.int64)).to(device))
+        index_of = {state.req_id: b for b, state in enumerate(requests)}  # vLLM's req_id_to_index
         started, cpu = time.perf_counter(), time.thread_time()
-        index = _batch_of(router, requests) if churn else batch_index  # the worker's lookup
+        index = batch_indices(router.states, index_of) if churn else batch_index  # the worker's lookup
         router.begin_step(index, query_start, computed, rows)
         router.end_step()
         times.append((time.perf_counter() - started, time.thread_time() - cpu))
         computed += counts
     router.drain()
     return times
-
-
-def _batch_of(router: StepRouter, requests: list[RequestState]) -> np.ndarray:
-    """Each live request's batch index, in the router's order (as the worker looks them up)."""
-    index_of = {id(state): b for b, state in enumerate(requests)}
-    return np.array([index_of[id(state)] for state in router.states], dtype=np.int64)
 
 
 def main() -> None:

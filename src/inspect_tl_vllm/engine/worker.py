@@ -123,8 +123,7 @@ class Controller:
         states = self.router.states
         if self._last_batch is not None and self._last_batch[0] is states and self._last_batch[1] == batch.req_ids:
             return self._last_batch[2]
-        index_of = batch.req_id_to_index  # preempted or unscheduled requests are absent: -1
-        batch_index = np.fromiter((index_of.get(s.req_id, -1) for s in states), dtype=np.int64, count=len(states))
+        batch_index = batch_indices(states, batch.req_id_to_index)
         self._last_batch = (states, list(batch.req_ids), batch_index)
         return batch_index
 
@@ -234,6 +233,12 @@ class Controller:
             host_seconds=self.host_time.report(),
             pinned_host=pinned_host_stats(),
         ).encode()
+
+
+def batch_indices(states: list[RequestState], index_of: dict[str, int]) -> np.ndarray:
+    """Per state, its index in vLLM's batch (``index_of``, vLLM's ``req_id_to_index``; -1 for a
+    request not scheduled); ``bench/router_cost.py`` times it with the router."""
+    return np.fromiter((index_of.get(s.req_id, -1) for s in states), dtype=np.int64, count=len(states))
 
 
 def _holds(inner: Any, site: Site) -> bool:

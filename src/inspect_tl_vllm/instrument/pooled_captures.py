@@ -39,7 +39,9 @@ class PooledCaptures:
     def admit(self, state: RequestState) -> None:
         """Make room for the pooled request ``state`` (slot already taken); zeroed at the next step."""
         for item in state.capture:
-            pool = self.pools.setdefault(item.site, SiteAccumulators(self.runtime.hidden_size, self.runtime.device))
+            pool = self.pools.get(item.site)
+            if pool is None:  # allocated once per site, not per request
+                pool = self.pools[item.site] = SiteAccumulators(self.runtime.hidden_size, self.runtime.device)
             pool.ensure(state.slot + 1)
             self.resets.setdefault(item.site, []).append(state.slot)
 
