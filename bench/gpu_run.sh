@@ -17,6 +17,10 @@
 #                                          # exactly 256 tokens (ignore_eos), caches warm (~9 min; cut off at
 #                                          # 570 s, its JSON keeps the variants it finished)
 #
+# When one call is all the device time left after staging (~7 min):
+#   bash bench/gpu_run.sh quick  OUTDIR   # install, gpu_check, router_cost, then the 1B shape: vanilla, plain,
+#                                          # steer, capture, 3 rounds, until the call's time runs out (~8 min)
+#
 # Other model shapes, and the peer hotwire-vllm (steering only) beside the instrumented engine,
 # all with weights at training-init scale:
 #   bash bench/gpu_run.sh 1b     OUTDIR   # throughput, Llama-3.2-1B shape, the five standard variants (~3 min)
@@ -51,7 +55,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh install|check|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|1b-long|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
+step=${1:?usage: gpu_run.sh install|check|quick|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|1b-long|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -75,6 +79,14 @@ case "$step" in
     fi
     timeout 60 python3 bench/router_cost.py --out "$out/router_cost.json" >>"$log" 2>&1
     timeout 330 python3 bench/gpu_check.py --requests 256 --out "$out/gpu_check.json" >>"$log" 2>&1
+    ;;
+  quick)
+    python3 -m pip install -q --no-deps --no-index --no-build-isolation . >"$log" 2>&1
+    python3 -m inspect_tl_vllm.cli prepare-model smollm2 >>"$log" 2>&1
+    timeout -k 15 210 python3 bench/gpu_check.py --requests 256 --out "$out/gpu_check.json" >>"$log" 2>&1
+    timeout 40 python3 bench/router_cost.py --out "$out/router_cost.json" >>"$log" 2>&1
+    timeout 240 python3 bench/throughput.py --model llama1b-shape --prompts 256 --new-tokens 256 --runs 3 \
+      --weights scaled --variants vanilla,plain,steer,capture --out "$out/throughput_1b_quick.json" >>"$log" 2>&1
     ;;
   8b)
     timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 5 \
