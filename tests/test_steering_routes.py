@@ -12,6 +12,7 @@ must count each steered position once.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from conftest import cpu_hook_runtime
@@ -148,13 +149,16 @@ def test_a_batch_that_keeps_its_requests_from_prefill_to_decode_gets_new_rows() 
     assert answer.steer[0].rows == 3 and prompt.steer[0].rows == 5
 
 
-def test_a_random_walk_of_arrivals_chunked_prefills_preemptions_and_departures_keeps_every_table_exact() -> None:
+@pytest.mark.parametrize("seed", [24, 25, 26])
+def test_a_random_walk_of_arrivals_chunked_prefills_preemptions_and_departures_keeps_every_table_exact(
+    seed: int,
+) -> None:
     """Hundreds of steps of seeded random traffic (``random_traffic.py``): requests steered at
     random sites, stages and scopes, instrumented without steering, and not instrumented.
     Every step each site's table must hold exactly the stages whose scope covers each row; at
     the end each intervention's receipt must count each position it covered once, however
     often it was computed."""
-    rng = np.random.default_rng(24)
+    rng = np.random.default_rng(seed)
     run = runtime()
     router = StepRouter(run)
 
