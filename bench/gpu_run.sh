@@ -64,14 +64,19 @@ if [ -f /tmp/tlvllm-fused-off ]; then
   echo "[gpu_run] the fused hook kernel failed its check: running the torch-op hooks" | tee -a "$out/$step.log"
 fi
 log="$out/$step.log"
+# This package installed (for its entry points) and SmolLM2 prepared; fails if either failed.
+install_package() {
+  local status=0
+  python3 -m pip install -q --no-deps --no-index --no-build-isolation . >"$log" 2>&1 || status=$?
+  python3 -m inspect_tl_vllm.cli prepare-model smollm2 >>"$log" 2>&1 || status=$?
+  return $status
+}
 case "$step" in
   install)
-    python3 -m pip install -q --no-deps --no-index --no-build-isolation . >"$log" 2>&1 &&
-      python3 -m inspect_tl_vllm.cli prepare-model smollm2 >>"$log" 2>&1
+    install_package
     ;;
   check)
-    python3 -m pip install -q --no-deps --no-index --no-build-isolation . >"$log" 2>&1
-    python3 -m inspect_tl_vllm.cli prepare-model smollm2 >>"$log" 2>&1
+    install_package
     if ! timeout 150 python3 bench/hook_cost.py --out "$out/hook_cost_8b.json" >>"$log" 2>&1; then
       touch /tmp/tlvllm-fused-off
       export TLVLLM_FUSED_HOOK=0
@@ -81,8 +86,7 @@ case "$step" in
     timeout 330 python3 bench/gpu_check.py --requests 256 --out "$out/gpu_check.json" >>"$log" 2>&1
     ;;
   quick)
-    python3 -m pip install -q --no-deps --no-index --no-build-isolation . >"$log" 2>&1
-    python3 -m inspect_tl_vllm.cli prepare-model smollm2 >>"$log" 2>&1
+    install_package
     timeout -k 15 210 python3 bench/gpu_check.py --requests 256 --out "$out/gpu_check.json" >>"$log" 2>&1
     timeout 40 python3 bench/router_cost.py --out "$out/router_cost.json" >>"$log" 2>&1
     timeout 240 python3 bench/throughput.py --model llama1b-shape --prompts 256 --new-tokens 256 --runs 3 \

@@ -16,12 +16,14 @@ FRONT_END = """
 import sys
 from vllm.engine.arg_utils import AsyncEngineArgs
 
+from inspect_tl_vllm.engine.plugin import _MARK
+
 AsyncEngineArgs(model=sys.argv[1])  # loads the general plugins, ours among them
 assert "vllm.v1.worker.gpu_worker" not in sys.modules, "the front end imported vLLM's worker"
 from vllm.v1.worker import gpu_worker
 
 for name in ("load_model", "compile_or_warm_up_model"):
-    assert getattr(getattr(gpu_worker.Worker, name), "_tlvllm_wrapped", False), name
+    assert getattr(getattr(gpu_worker.Worker, name), _MARK, False), name
 print("wrapped on import")
 """
 

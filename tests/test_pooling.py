@@ -16,7 +16,7 @@ import torch
 from conftest import cpu_hook_runtime
 from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope, SteerItem, finish_pooled
 from inspect_tl_vllm.instrument.routing import StepRouter
-from random_traffic import random_walk
+from random_traffic import Rows, random_walk
 
 WIDTH = 8
 
@@ -167,10 +167,10 @@ def test_captures_under_random_traffic_hold_each_covered_row_once(mixed: bool, s
         state.reduce = str(rng.choice(["mean", "last", "max_norm", "none"] if mixed else ["mean", "last", "max_norm"]))
         return state
 
-    def write_rows(rows: list[tuple[RequestState | None, int]]) -> None:
+    def write_rows(rows: Rows) -> None:
         zero = torch.zeros(WIDTH)
         staged = [zero if state is None else traffic_row(state.uid, position) for state, position in rows]
-        runtime.sites[0].staging[: len(rows)] = torch.stack(staged) if staged else runtime.sites[0].staging[:0]
+        runtime.sites[0].staging[: len(rows)] = torch.stack(staged)
 
     finished = random_walk(router, rng, new_state, write_rows)
     checked = {"mean": 0, "last": 0, "max_norm": 0, **({"none": 0} if mixed else {})}
