@@ -2,8 +2,10 @@
 
 Requests (instrumented or not) arrive, prefill in chunks, decode, often for several steps in
 an unchanged batch (the router's repeated-step path), are preempted and recompute every row
-they had, and leave, their request slots reused.  The tests in ``test_steering_routes.py``
-and ``test_pooling.py`` check, step by step and at the end, what the router made of it.
+they had, and leave, their request slots reused.  Between steps, now and then, vLLM ends a step
+it never routed (one that schedules no tokens) and live requests' results are read.  The tests
+in ``test_steering_routes.py`` and ``test_pooling.py`` check, step by step and at the end, what
+the router made of it.
 """
 
 from __future__ import annotations
@@ -100,6 +102,11 @@ def random_walk(
             if request.state is not None:
                 router.retire(request.state)
                 done.append((request.state, request.high))
+        if rng.random() < 0.05:  # a step that only reports finished requests: vLLM ends it unrouted
+            router.end_step()
+        if rng.random() < 0.05:  # results of live requests read between steps (a fetch mid-run)
+            router.drain()
+            router.snapshot([r.state for r in live if r.state is not None])
     # As the worker's fetch reads results: what is in flight lands, then every request is read
     # (those retired at the last steps are read from their slots, not yet handed on).
     router.drain()

@@ -93,6 +93,7 @@ class StepRouter:
         self._slot_of_row: torch.Tensor | None = None  # the last step's rows' request slots + 1
         self._last_batch: tuple[Layout, np.ndarray] | None = None  # the last step's layout and batch indices
         self._generated_rows = -1  # the last step's row count when each was an instrumented request's generated row
+        self._steered_rows_fresh = False  # every steered row of the last step was new
         # the last step's capture work when a repeat can redo it: slots counted, pooled rows
         self._repeat: tuple[np.ndarray, tuple[np.ndarray, ...] | None] | None = None
         self._live: dict[int, RequestState] = {}  # request slot -> state, in admission order
@@ -174,6 +175,7 @@ class StepRouter:
             self._steer(layout, batch_index, query_start, computed, rows, same_batch, repeat)
         if not (layout.states and self.collect and layout.captures):
             self._repeat = None
+            self._advance_seen(layout, batch_index, query_start, computed)
         elif repeat and self._repeat is not None:
             self._route_repeat(layout, batch_index, computed, work)
         else:
@@ -218,7 +220,39 @@ class StepRouter:
             self._map_batch(layout, batch_index)
         if not repeat or self._slot_of_row is None:
             self._slot_of_row = self._slot_of_batch_device.index_select(0, rows[0])
-        self._steering.begin(self._slot_of_row, rows[1], same_rows=repeat)
+        # A repeat of a step whose rows were all new has only new rows: each is one position on.
+        fresh = None
+        if not (repeat and self._steered_rows_fresh):
+            fresh = self._fresh_rows(layout, batch_index, query_start, computed)
+            self._steered_rows_fresh = fresh is None
+        self._steering.begin(self._slot_of_row, rows[1], same_rows=repeat, fresh=fresh)
+
+    def _fresh_rows(
+        self, layout: Layout, batch_index: np.ndarray, query_start: np.ndarray, computed: np.ndarray
+    ) -> torch.Tensor | None:
+        """Whether each row of the step is new (above its request's highest position seen), on
+        the device; None when every steered request's rows are, as they are unless a request
+        recomputes its rows after preemption."""
+        steered = (batch_index >= 0) & layout.steered
+        seen = self._requests["seen"][layout.slot[steered]]
+        if not (computed[batch_index[steered]] <= seen).any():
+            return None
+        counts = np.diff(query_start)
+        seen_at = np.full(len(counts), -1, dtype=np.int64)
+        seen_at[batch_index[steered]] = seen
+        batch = np.repeat(np.arange(len(counts)), counts)
+        positions = computed[batch] + np.arange(len(batch)) - query_start[batch]
+        fresh = torch.from_numpy(positions > seen_at[batch])
+        return fresh.pin_memory().to(self.runtime.device, non_blocking=True) if self.cuda else fresh
+
+    def _advance_seen(
+        self, layout: Layout, batch_index: np.ndarray, query_start: np.ndarray, computed: np.ndarray
+    ) -> None:
+        """Record each scheduled request's highest position (``_route`` does this when it runs)."""
+        present = batch_index >= 0
+        index, slots = batch_index[present], layout.slot[present]
+        last = computed[index] + query_start[index + 1] - query_start[index] - 1
+        self._requests["seen"][slots] = np.maximum(self._requests["seen"][slots], last)
 
     @staticmethod
     def _generated_rows_only(layout: Layout, batch_index: np.ndarray, computed: np.ndarray) -> bool:
@@ -416,6 +450,7 @@ class StepRouter:
         device round trip)."""
         if not self.collect:
             return {}, None, FeatureReads()
+        self._steering.flush()
         pooled_reads = self._pooled.read(states, to_host)
         receipts = self._receipts.read([item for s in states for item in s.steer], to_host)
         return pooled_reads, receipts, self._features.read(states, to_host)

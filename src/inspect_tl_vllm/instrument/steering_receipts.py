@@ -53,9 +53,10 @@ class ReceiptAccumulators:
         self.stat_sums.index_fill_(0, slots, 0.0)
         self.fired_at_admission.index_copy_(0, slots, fired)
 
-    def add(self, index: torch.Tensor, stats: torch.Tensor) -> None:
-        """Add ``stats[..., r, :]`` and a count of one to the items at ``index[..., r, k]`` (each stage k)."""
-        counted = torch.cat([stats.to(torch.float64), stats.new_ones((*stats.shape[:-1], 1), dtype=torch.float64)], -1)
+    def add(self, index: torch.Tensor, stats: torch.Tensor, steps: int) -> None:
+        """Add ``stats[..., r, :]`` (float64, summed over ``steps`` rows) and ``steps`` rows to
+        the items at ``index[..., r, k]`` (each stage k)."""
+        counted = torch.cat([stats, stats.new_full((*stats.shape[:-1], 1), steps)], -1)
         values = counted.unsqueeze(-2).expand(*index.shape, SUMS)
         self.stat_sums.index_add_(0, index.reshape(-1), values.reshape(-1, SUMS))
 
@@ -111,10 +112,11 @@ class SteeringReceipts:
         """Every site's ``fired`` counter, in site-table order, as one device tensor."""
         return torch.cat([self.runtime.sites[site].fired for site in self.sites])
 
-    def add_rows(self, index: torch.Tensor, stats: torch.Tensor) -> None:
-        """Sum a step's steered rows: ``index[t, r, k]`` is the slot + 1 of the item that stage
-        ``k`` of row ``r`` counts toward at the t-th site (0: none), ``stats[t, r]`` its ``row_stats``."""
-        self.sums.add(index, stats)
+    def add_rows(self, index: torch.Tensor, stats: torch.Tensor, *, steps: int = 1) -> None:
+        """Sum steered rows: ``index[t, r, k]`` is the slot + 1 of the item that stage ``k`` of
+        row ``r`` counts toward at the t-th site (0: none), ``stats[t, r]`` its ``row_stats``
+        (float64) summed over the ``steps`` steps that routed the rows alike."""
+        self.sums.add(index, stats, steps)
 
     def read(self, items: list[SteerItem], to_host: Callable[[torch.Tensor], torch.Tensor]) -> ReceiptReads | None:
         """The receipt sums of ``items`` and the sites' ``fired`` counts, copied by ``to_host``."""

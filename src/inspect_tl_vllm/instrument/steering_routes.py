@@ -9,17 +9,20 @@ numbers, the range of positions it covers (or a listed-positions id) and the rec
 rows count toward.  Before a step the router hands over each token row's request slot and
 position, both on the device (vLLM computes the positions there anyway), and a few gathers
 write the steered sites' per-row tables; a decode step whose rows belong to the same requests
-as the last one's keeps them as they are.  After the step one index kernel adds the steered
-rows' ``row_stats`` and their count into their receipts.  None of it reads back from the
-device or loops over requests in Python.  The tables take a few MB of device memory (a
-``max_stack`` x 8 floats and 4 integers per site and live request), outside vLLM's budget.
+as the last one's keeps them as they are.  After each step the steered rows' ``row_stats`` are
+summed per row on the device, and one index kernel adds the sums and the step count into their
+receipts when the rows change or results are read: a run of such repeated decode steps costs
+the host one kernel launch a step.  None of it reads back from the device or loops over
+requests in Python.  The tables take a few MB of device memory (a ``max_stack`` x 8 floats and
+4 integers per site and live request), outside vLLM's budget.
 
 Index 0 of every slot-indexed table is "no steered request": it covers no position, so rows
 of plain requests (and of requests without steering at a site) get the identity stage and
 pass through bit for bit.  A request slot ``s`` lives at index ``s + 1``; so does a receipt slot.
 
-Rows a request recomputes after preemption are steered again but counted once: ``seen`` holds
-the highest position counted per request slot, and a row counts only above it.
+Rows a request recomputes after preemption are steered again but counted once: the router,
+which knows each request's highest position on the host, hands over which rows are new
+(``fresh``) in the rare step that has any others.
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class SteeringRoutes:
         # per site table, slot index and stage: (lo, hi, listed id, receipt index); the stage
         # covers positions lo <= p < hi, or the listed id's positions when that is >= 0
         self.empty_span = torch.tensor([0, 0, -1, 0], dtype=torch.int64, device=self.device)
-        self.stages = self.spans = self.seen = torch.empty(0)
+        self.stages = self.spans = torch.empty(0)
         self._grow(64)
         self.users = np.zeros(len(sites), dtype=np.int64)  # live steering items per site table
         self.used: list[int] = []  # site tables with live steering items
@@ -72,9 +75,14 @@ class SteeringRoutes:
         self._listed_keys: torch.Tensor | None = None
         self._listed_changed = False
         # per group of steered site tables: the receipt index of each row's stages, as routed
-        # (``_routed``) and as counted this step (``_counted``: rows recomputed after preemption left out)
+        # (``_routed``) and as counted (``_counted``: rows recomputed after preemption left out)
         self._routed: list[tuple[list[int], torch.Tensor | None]] = []
         self._counted: list[tuple[list[int], torch.Tensor]] = []
+        self._counted_all = False  # ``_counted`` left no row out, so later steps of the same rows count alike
+        # per group of ``_counted``: the row_stats of the ``_pending`` steps since, summed per row
+        self._sums: list[torch.Tensor] = []
+        self._pending = 0
+        self._stepped = False  # ``begin`` routed the step that ``end`` closes
 
     # -- requests -------------------------------------------------------------------------
     def admit(self, state: RequestState) -> None:
@@ -114,12 +122,10 @@ class SteeringRoutes:
         tables, stack = len(self.sites), self.stack
         stages = self.identity.repeat(tables, capacity, stack, 1)
         spans = self.empty_span.repeat(tables, capacity, stack, 1)
-        seen = torch.full((capacity,), -1, dtype=torch.int64, device=self.device)
         if old:
             stages[:, :old] = self.stages
             spans[:, :old] = self.spans
-            seen[:old] = self.seen
-        self.stages, self.spans, self.seen = stages, spans, seen
+        self.stages, self.spans = stages, spans
         self.capacity = capacity
 
     def _write_admissions(self) -> None:
@@ -142,7 +148,6 @@ class SteeringRoutes:
         n = len(items)
         slots = numbers[(3 + SPAN) * n :]
         self.spans[:, slots] = self.empty_span
-        self.seen[slots] = -1
         table, slot, stage = numbers[:n], numbers[n : 2 * n], numbers[2 * n : 3 * n]
         self.stages[table, slot, stage] = stage_rows.view(n, STAGE_WIDTH)
         self.spans[table, slot, stage] = numbers[3 * n : (3 + SPAN) * n].view(SPAN, n).T
@@ -156,15 +161,28 @@ class SteeringRoutes:
         return (self.table_of_site[item.site], state.slot + 1, item.stage, lo, hi, listed, item.slot + 1)
 
     # -- per step -------------------------------------------------------------------------
-    def begin(self, slot_of_row: torch.Tensor, positions: torch.Tensor, *, same_rows: bool = False) -> None:
+    def begin(
+        self,
+        slot_of_row: torch.Tensor,
+        positions: torch.Tensor,
+        *,
+        same_rows: bool = False,
+        fresh: torch.Tensor | None = None,
+    ) -> None:
         """Write this step's rows of every steered site's table (``slot_of_row``: each row's
-        request slot + 1, 0 for a plain request; ``positions``: each row's position).
+        request slot + 1, 0 for a plain request; ``positions``: each row's position; ``fresh``:
+        whether each row is new, None when all are).
 
         ``same_rows``: the rows are the last step's requests' next rows, one generated row each
         in both steps (the router's ``_compare_with_last_step``), so with no listed positions
         the tables already hold them: coverage of a prompt/generated/all scope cannot change
-        within the generated tokens.  Only the receipts' rows are then counted again."""
+        within the generated tokens.  The rows then count toward the same receipts too."""
         changed = bool(self._admitted or self._listed_changed or self._to_clear)
+        reuse = same_rows and not changed and fresh is None and self._listed_keys is None
+        self._stepped = True
+        if reuse and self._routed and self._counted_all:
+            return
+        self.flush()
         if self._admitted:
             self._write_admissions()
         if self._listed_changed:
@@ -172,18 +190,18 @@ class SteeringRoutes:
         for table in self._to_clear:
             self.runtime.sites[self.sites[table]].table[:] = self.identity
         self._to_clear.clear()
-        rows = slot_of_row.shape[0]
-        if not self.used or rows == 0:
-            self._routed = self._counted = []
+        self._routed = self._counted = []
+        if not self.used or slot_of_row.shape[0] == 0:
             return
-        if changed or not same_rows or self._listed_keys is not None or not self._routed:
-            self._routed = self._expand(slot_of_row, positions)
+        self._routed = self._expand(slot_of_row, positions)
         if self.collect:
-            fresh = (positions > self.seen.index_select(0, slot_of_row))[None, :, None]
+            keep = None if fresh is None else fresh[None, :, None]
             self._counted = [
-                (group, torch.where(fresh, receipt, 0)) for group, receipt in self._routed if receipt is not None
+                (group, receipt if keep is None else torch.where(keep, receipt, 0))
+                for group, receipt in self._routed
+                if receipt is not None
             ]
-            self.seen.scatter_reduce_(0, slot_of_row, positions, "amax")
+            self._counted_all = fresh is None
 
     def _expand(
         self, slot_of_row: torch.Tensor, positions: torch.Tensor
@@ -224,9 +242,32 @@ class SteeringRoutes:
         self._listed_keys = device_index(keys, self.device, self.cuda) if keys.size else None
 
     def end(self) -> None:
-        """Add this step's steered rows to their receipts (after the forward pass wrote ``row_stats``)."""
-        for group, receipt in self._counted:
+        """Sum this step's steered rows' ``row_stats`` (written by the forward pass) per row;
+        ``flush`` adds them to the receipts.  A step that vLLM ends before routing it (one that
+        schedules no tokens) has none."""
+        if not self._stepped:
+            return
+        self._stepped = False
+        for k, (group, receipt) in enumerate(self._counted):
             rows = receipt.shape[1]
-            stats = torch.stack([self.runtime.sites[self.sites[table]].row_stats[:rows] for table in group])
-            self.receipts.add_rows(receipt, stats)
-        self._counted = []
+            if len(group) == 1:
+                stats = self.runtime.sites[self.sites[group[0]]].row_stats[None, :rows]
+            else:
+                stats = torch.stack([self.runtime.sites[self.sites[table]].row_stats[:rows] for table in group])
+            if self._pending:
+                self._sums[k].add_(stats)
+            else:
+                self._sums.append(stats.double())
+        if self._counted:
+            self._pending += 1
+
+    def flush(self) -> None:
+        """Add the row stats summed since the rows were routed, and the step count, to the
+        receipts (before a step routes other rows, and before receipts are read, which may
+        happen outside the step's inference mode; the receipt sums are inference tensors)."""
+        if self._pending:
+            with torch.inference_mode():
+                for (_, receipt), sums in zip(self._counted, self._sums, strict=True):
+                    self.receipts.add_rows(receipt, sums, steps=self._pending)
+        self._sums = []
+        self._pending = 0
