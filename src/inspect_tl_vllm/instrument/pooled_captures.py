@@ -5,9 +5,12 @@ they are given.  Each site with pooled captures gets one ``SiteAccumulators``, i
 request slot.  A slot is zeroed before the first step of the request admitted to it.  After
 each step the captured rows of all pooled requests are folded in with a few index kernels
 per site and reduction, whatever the number of requests, and each request's newest row is
-kept apart as its pending row (``plans.finish_pooled`` says why).  The accumulators are read
-back, one read per site, when requests retire or their results are fetched, and settled
-into the requests' capture items.
+kept apart as its pending row (``plans.finish_pooled`` says why).  A decode step that repeats
+the last one (the same slots' next rows, at the same batch rows) applies the last step's folds
+again; for means, a run of such steps sums its rows per batch row instead (``MeanRun``, two
+kernel launches a step against five) and folds the sum in when the run ends.  The accumulators
+are read back, one read per site, when requests retire or their results are fetched, and
+settled into the requests' capture items.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class PooledCaptures:
         self.resets: dict[int, list[int]] = {}  # site -> slots whose accumulators must be zeroed
         # the last step's folds (accumulators, mode, source), when a repeat of that step may apply them again
         self._repeatable: list[tuple[SiteAccumulators, int, torch.Tensor, Fold]] | None = None
+        self._runs: dict[int, MeanRun] = {}  # index in ``_repeatable`` -> the mean fold's run of repeats
 
     def admit(self, state: RequestState) -> None:
         """Make room for the pooled request ``state`` (slot already taken); zeroed at the next step."""
@@ -44,6 +48,17 @@ class PooledCaptures:
                 pool = self.pools[item.site] = SiteAccumulators(self.runtime.hidden_size, self.runtime.device)
             pool.ensure(state.slot + 1)
             self.resets.setdefault(item.site, []).append(state.slot)
+
+    def end_runs(self) -> None:
+        """Fold the runs of repeated steps into the accumulators: before a step folds other rows,
+        and before a read.  (A slot zeroed for a new request is never in a run: runs hold live
+        requests' slots, and a slot is freed only after its request's read.)"""
+        if self._runs and self._repeatable is not None:
+            with torch.inference_mode():  # reads may come outside the step's inference mode
+                for index, run in self._runs.items():
+                    pool, _, _, fold = self._repeatable[index]
+                    run.end(pool, fold)
+        self._runs = {}
 
     def flush_resets(self) -> None:
         for site, slots in self.resets.items():
@@ -68,10 +83,16 @@ class PooledCaptures:
         last step's slots, at the same batch rows, so its folds apply again when they were
         ``Fold.repeatable``."""
         if repeat and self._repeatable is not None:
-            for pool, mode, staging, fold in self._repeatable:
-                fold.apply(pool, mode, staging)
+            for index, (pool, mode, staging, fold) in enumerate(self._repeatable):
+                if mode != MODES["mean"]:
+                    fold.apply(pool, mode, staging)
+                elif index in self._runs:
+                    self._runs[index].step(staging, fold)
+                else:
+                    self._runs[index] = MeanRun(pool, staging, fold)
             pending[slots] = positions  # one row per slot: each is its slot's newest
             return
+        self.end_runs()
         order = np.lexsort((positions, slots))
         newest_of_slot: dict[int, int] = {}
         folds = []
@@ -91,6 +112,7 @@ class PooledCaptures:
 
     def read(self, states: list[RequestState], to_host: Callable[[torch.Tensor], torch.Tensor]) -> PooledReads:
         """The pooled rows of ``states``, copied by ``to_host``: one read per site, however many requests."""
+        self.end_runs()
         reads: PooledReads = {}
         for site, pool in self.pools.items():
             slots = np.sort(
@@ -136,6 +158,28 @@ class Fold:
         """One row per slot, each slot with a pending row already: the fold of the same slots'
         next rows, at the same batch rows, is this same fold."""
         return len(self.carried) == len(self.slots) and len(self.earlier_rows) == 0
+
+
+class MeanRun:
+    """A run of repeated steps of one repeatable mean fold, summed per batch row.
+
+    Each step of the fold adds every slot's pending row to its sum and stashes the slot's new
+    row as pending (five kernel launches).  Over a run of repeated steps the same
+    slots take rows from the same batch rows, so the run keeps, per row, the sum of the rows it
+    would have folded in (``total``, float32 as the accumulators) and the newest row (``newest``,
+    in the activations' dtype): one add and one gather a step.  ``end`` folds them in."""
+
+    def __init__(self, pool: SiteAccumulators, staging: torch.Tensor, fold: Fold) -> None:
+        self.total = pool.pending.index_select(0, fold.step_slots)
+        self.newest = staging.index_select(0, fold.step_rows)
+
+    def step(self, staging: torch.Tensor, fold: Fold) -> None:
+        self.total.add_(self.newest)
+        torch.index_select(staging, 0, fold.step_rows, out=self.newest)
+
+    def end(self, pool: SiteAccumulators, fold: Fold) -> None:
+        pool.rows.index_add_(0, fold.step_slots, self.total)
+        pool.pending.index_copy_(0, fold.step_slots, self.newest.float())
 
 
 def fold_group(
