@@ -194,6 +194,7 @@ class SteeringRoutes:
         if not self.used or slot_of_row.shape[0] == 0:
             return
         self._routed = self._expand(slot_of_row, positions)
+        self._counted_all = fresh is None
         if self.collect:
             keep = None if fresh is None else fresh[None, :, None]
             self._counted = [
@@ -201,7 +202,6 @@ class SteeringRoutes:
                 for group, receipt in self._routed
                 if receipt is not None
             ]
-            self._counted_all = fresh is None
 
     def _expand(
         self, slot_of_row: torch.Tensor, positions: torch.Tensor
