@@ -149,6 +149,29 @@ def test_a_batch_that_keeps_its_requests_from_prefill_to_decode_gets_new_rows() 
     assert answer.steer[0].rows == 3 and prompt.steer[0].rows == 5
 
 
+def test_answer_rows_recomputed_one_a_step_in_an_unchanged_batch_count_once() -> None:
+    """After preemption a request may recompute its answer rows one a step beside decoding
+    requests: the batch repeats itself, but those rows were counted before and must not be again."""
+    run = runtime()
+    router = StepRouter(run)
+    row = np.array([1, 1.0, 2.0, 0, 0, 0, 0, 0], dtype=np.float32)
+    a, b = (
+        RequestState(uid=uid, prompt_len=2, steer=[SteerItem(0, "add", 3, 0, row, Scope.resolve("all", 2))], capture=[])
+        for uid in "ab"
+    )
+    for state in (a, b):
+        router.admit(state)
+    step(router, run, [(a, 0, 2), (b, 0, 2)])
+    for position in range(2, 6):  # both decode: positions 2..5
+        step(router, run, [(a, position, 1), (b, position, 1)])
+    step(router, run, [(a, 0, 2), (b, 6, 1)])  # a preempted: its prompt again
+    for position in range(2, 8):  # a recomputes 2..5 one a step (counted already), then 6 and 7 are new
+        step(router, run, [(a, position, 1), (b, position + 5, 1)])
+    router.drain()
+    router.snapshot([a, b])
+    assert a.steer[0].rows == 8 and b.steer[0].rows == 13
+
+
 @pytest.mark.parametrize("seed", [24, 25, 26])
 def test_a_random_walk_of_arrivals_chunked_prefills_preemptions_and_departures_keeps_every_table_exact(
     seed: int,
