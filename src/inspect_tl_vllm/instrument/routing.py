@@ -220,12 +220,13 @@ class StepRouter:
             self._map_batch(layout, batch_index)
         if not repeat or self._slot_of_row is None:
             self._slot_of_row = self._slot_of_batch_device.index_select(0, rows[0])
-        # A repeat of a step whose rows were all new has only new rows: each is one position on.
-        fresh = None
-        if not (repeat and self._steered_rows_fresh):
+        # A repeat of a step whose rows were all new has only new rows (each is one position on),
+        # so they count as the last step's did; otherwise the rows are counted afresh.
+        same_rows, fresh = repeat and self._steered_rows_fresh, None
+        if not same_rows:
             fresh = self._fresh_rows(layout, batch_index, query_start, computed)
             self._steered_rows_fresh = fresh is None
-        self._steering.begin(self._slot_of_row, rows[1], same_rows=repeat, fresh=fresh)
+        self._steering.begin(self._slot_of_row, rows[1], same_rows=same_rows, fresh=fresh)
 
     def _fresh_rows(
         self, layout: Layout, batch_index: np.ndarray, query_start: np.ndarray, computed: np.ndarray
@@ -237,11 +238,9 @@ class StepRouter:
         seen = self._requests["seen"][layout.slot[steered]]
         if not (computed[batch_index[steered]] <= seen).any():
             return None
-        counts = np.diff(query_start)
-        seen_at = np.full(len(counts), -1, dtype=np.int64)
+        batch, positions = _host_rows(query_start, computed)
+        seen_at = np.full(len(query_start) - 1, -1, dtype=np.int64)
         seen_at[batch_index[steered]] = seen
-        batch = np.repeat(np.arange(len(counts)), counts)
-        positions = computed[batch] + np.arange(len(batch)) - query_start[batch]
         fresh = torch.from_numpy(positions > seen_at[batch])
         return fresh.pin_memory().to(self.runtime.device, non_blocking=True) if self.cuda else fresh
 
@@ -274,10 +273,8 @@ class StepRouter:
         self.max_requests_steered_in_one_step = max(self.max_requests_steered_in_one_step, int(steered.sum()))
 
     def _rows_of(self, query_start: np.ndarray, computed: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each token row's batch index and position, as vLLM's runner computes them."""
-        counts = np.diff(query_start)
-        batch = np.repeat(np.arange(len(counts)), counts)
-        positions = computed[batch] + np.arange(len(batch)) - query_start[batch]
+        """Each token row's batch index and position, on the device."""
+        batch, positions = _host_rows(query_start, computed)
         device = self.runtime.device
         return torch.from_numpy(batch).to(device), torch.from_numpy(positions.astype(np.int64)).to(device)
 
@@ -471,3 +468,10 @@ class StepRouter:
         self._requests.free.append(state.slot)
         state.slot = -1
         self._receipts.free(state.steer)
+
+
+def _host_rows(query_start: np.ndarray, computed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each token row's batch index and position, as vLLM's runner computes them."""
+    counts = np.diff(query_start)
+    batch = np.repeat(np.arange(len(counts)), counts)
+    return batch, computed[batch] + np.arange(len(batch)) - query_start[batch]

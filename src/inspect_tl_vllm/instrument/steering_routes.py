@@ -78,7 +78,6 @@ class SteeringRoutes:
         # (``_routed``) and as counted (``_counted``: rows recomputed after preemption left out)
         self._routed: list[tuple[list[int], torch.Tensor | None]] = []
         self._counted: list[tuple[list[int], torch.Tensor]] = []
-        self._counted_all = False  # ``_counted`` left no row out, so later steps of the same rows count alike
         # per group of ``_counted``: the row_stats of the ``_pending`` steps since, summed per row
         self._sums: list[torch.Tensor] = []
         self._pending = 0
@@ -174,13 +173,13 @@ class SteeringRoutes:
         whether each row is new, None when all are).
 
         ``same_rows``: the rows are the last step's requests' next rows, one generated row each
-        in both steps (the router's ``_compare_with_last_step``), so with no listed positions
-        the tables already hold them: coverage of a prompt/generated/all scope cannot change
-        within the generated tokens.  The rows then count toward the same receipts too."""
+        in both steps (the router's ``_compare_with_last_step``), all new in both, so with no
+        listed positions the tables already hold them: coverage of a prompt/generated/all scope
+        cannot change within the generated tokens.  The rows then count toward the same
+        receipts too."""
         changed = bool(self._admitted or self._listed_changed or self._to_clear)
-        reuse = same_rows and not changed and fresh is None and self._listed_keys is None
         self._stepped = True
-        if reuse and self._routed and self._counted_all:
+        if same_rows and not changed and self._listed_keys is None and self._routed:
             return
         self.flush()
         if self._admitted:
@@ -194,7 +193,6 @@ class SteeringRoutes:
         if not self.used or slot_of_row.shape[0] == 0:
             return
         self._routed = self._expand(slot_of_row, positions)
-        self._counted_all = fresh is None
         if self.collect:
             keep = None if fresh is None else fresh[None, :, None]
             self._counted = [
