@@ -38,7 +38,7 @@ class PooledCaptures:
         self.resets: dict[int, list[int]] = {}  # site -> slots whose accumulators must be zeroed
         # the last step's folds (accumulators, mode, source), when a repeat of that step may apply them again
         self._repeatable: list[tuple[SiteAccumulators, int, torch.Tensor, Fold]] | None = None
-        self._runs: dict[int, MeanRun] = {}  # index in ``_repeatable`` -> the mean fold's run of repeats
+        self._runs: dict[int, MeanRun] = {}  # index in ``_repeatable`` -> its mean fold's run of repeated steps
 
     def admit(self, state: RequestState) -> None:
         """Make room for the pooled request ``state`` (slot already taken); zeroed at the next step."""
@@ -53,11 +53,10 @@ class PooledCaptures:
         """Fold the runs of repeated steps into the accumulators: before a step folds other rows,
         and before a read.  (A slot zeroed for a new request is never in a run: runs hold live
         requests' slots, and a slot is freed only after its request's read.)"""
-        if self._runs and self._repeatable is not None:
+        if self._runs:
             with torch.inference_mode():  # reads may come outside the step's inference mode
-                for index, run in self._runs.items():
-                    pool, _, _, fold = self._repeatable[index]
-                    run.end(pool, fold)
+                for run in self._runs.values():
+                    run.end()
         self._runs = {}
 
     def flush_resets(self) -> None:
@@ -87,7 +86,7 @@ class PooledCaptures:
                 if mode != MODES["mean"]:
                     fold.apply(pool, mode, staging)
                 elif index in self._runs:
-                    self._runs[index].step(staging, fold)
+                    self._runs[index].step(staging)
                 else:
                     self._runs[index] = MeanRun(pool, staging, fold)
             pending[slots] = positions  # one row per slot: each is its slot's newest
@@ -170,16 +169,17 @@ class MeanRun:
     in the activations' dtype): one add and one gather a step.  ``end`` folds them in."""
 
     def __init__(self, pool: SiteAccumulators, staging: torch.Tensor, fold: Fold) -> None:
+        self.pool, self.fold = pool, fold
         self.total = pool.pending.index_select(0, fold.step_slots)
         self.newest = staging.index_select(0, fold.step_rows)
 
-    def step(self, staging: torch.Tensor, fold: Fold) -> None:
+    def step(self, staging: torch.Tensor) -> None:
         self.total.add_(self.newest)
-        torch.index_select(staging, 0, fold.step_rows, out=self.newest)
+        torch.index_select(staging, 0, self.fold.step_rows, out=self.newest)
 
-    def end(self, pool: SiteAccumulators, fold: Fold) -> None:
-        pool.rows.index_add_(0, fold.step_slots, self.total)
-        pool.pending.index_copy_(0, fold.step_slots, self.newest.float())
+    def end(self) -> None:
+        self.pool.rows.index_add_(0, self.fold.step_slots, self.total)
+        self.pool.pending.index_copy_(0, self.fold.step_slots, self.newest.float())
 
 
 def fold_group(
