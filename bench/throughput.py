@@ -95,7 +95,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import gpu_power  # bench/ is on sys.path when this file runs as a script
+import cpu_pinning  # bench/ is on sys.path when this file runs as a script
+import gpu_power
 import proc_stats
 
 VARIANTS = ["vanilla", "plain", "steer", "capture", "capture_all"]
@@ -605,6 +606,13 @@ def main() -> int:
         help="hotwire-vllm installed with pip install --no-deps --target DIR (variant hotwire)",
     )
     parser.add_argument("--py-spy", default=None, metavar="BIN", help="profile one extra run per instrumented variant")
+    parser.add_argument(
+        "--pin-cpus",
+        choices=["auto", "off"],
+        default="auto",
+        help="auto: each engine's front end and engine core on physical cores of their own when the host "
+        "has enough (cpu_pinning.py); off: the scheduler places them",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -673,6 +681,9 @@ def measure(args: argparse.Namespace, variants: list[str], kinds: list[str]) -> 
             summary.setdefault("profiled_plain_tok_s", {})[when] = round(result.get("tok_s", 0), 1)
             print(f"[bench] plain under py-spy, {when}: {result.get('tok_s', 0):.0f} tok/s", flush=True)
 
+    if args.pin_cpus == "auto" and not args.cpu:
+        summary["cpu_pinning"] = cpu_pinning.pin_engines({kind: process.pid for kind, (process, _) in engines.items()})
+        print(f"[bench] CPU pinning: {json.dumps(summary['cpu_pinning'])}", flush=True)
     errors = summary.setdefault("errors", {})
     for variant in list(variants):  # warm-up round, not recorded; a variant that fails here is dropped
         result = run(variant, min(16, args.new_tokens))

@@ -4,8 +4,10 @@ break a benchmark unnoticed until the next GPU session (their numbers come from 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,3 +32,45 @@ def test_router_cost_runs_every_workload(tmp_path):
     result = json.loads(out.read_text())
     workloads = ("plain", "steer", "steer_churn", "capture_mean", "capture_mean_churn", "features")
     assert {f"{workload}_ms_per_step" for workload in workloads} <= set(result)
+
+
+def test_cpu_pinning_gives_each_engine_whole_cores_and_pins_a_process_tree(monkeypatch):
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import cpu_pinning
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+    assert cpu_pinning._parse_cpu_list("0-3,8\n") == {0, 1, 2, 3, 8}
+    siblings = [[i, i + 8] for i in range(8)]  # a 16-CPU host with hyperthreads
+    monkeypatch.setattr(cpu_pinning, "physical_cores", lambda cpus: [list(core) for core in siblings])
+    layout = cpu_pinning.plan(["vanilla", "instrumented"], set(range(16)))
+    assert layout == {
+        "vanilla": {"front_end": [0, 8], "engine_core": [1, 9]},
+        "instrumented": {"front_end": [2, 10], "engine_core": [3, 11]},
+        "rest": [4, 5, 6, 7, 12, 13, 14, 15],
+    }
+    monkeypatch.setattr(cpu_pinning, "physical_cores", lambda cpus: [[cpu] for cpu in sorted(cpus)])
+    assert cpu_pinning.plan(["vanilla", "instrumented"], set(range(8))) is None  # nothing left for the rest
+    monkeypatch.undo()
+
+    # a real process with a child: the parent's threads on one CPU, the child's on another
+    import psutil
+
+    cpus = sorted(os.sched_getaffinity(0))
+    script = "import subprocess, sys; subprocess.run([sys.executable, '-c', 'import time; time.sleep(30)'])"
+    parent = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        process = psutil.Process(parent.pid)
+        for _ in range(100):
+            if process.children():
+                break
+            time.sleep(0.1)
+        (child,) = process.children()
+        assert cpu_pinning.pin_tree(parent.pid, cpus[:1], children_to=cpus[-1:]) >= 2
+        assert os.sched_getaffinity(parent.pid) == set(cpus[:1])
+        assert os.sched_getaffinity(child.pid) == set(cpus[-1:])
+    finally:
+        for proc in psutil.Process(parent.pid).children(recursive=True):
+            proc.kill()
+        parent.kill()
+        parent.wait()

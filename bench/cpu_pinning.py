@@ -1,0 +1,102 @@
+"""Give each engine's busy processes physical cores of their own for the throughput bench.
+
+On the small models the engine core's main thread is busy for the whole run in vanilla vLLM
+too, so its speed sets tokens/s.  Left to the scheduler, that thread sometimes shares a
+physical core (its hyperthread sibling) with another busy thread, and the same work may then
+take about 40% more CPU time: on an H100 host, rounds of the same variant fell into two clusters
+(1.6 s and 2.3 s of the busiest thread for the same work), wider apart than the overheads the
+bench measures.  Pinning gives every engine the same cores to itself: its engine core
+processes whole physical cores (both siblings) for at least two CPUs, its front-end process as
+many, and everything else (this script, the samplers) the cores that are left.  It measures the engines, not the
+scheduler; users' runs are not pinned.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+def physical_cores(cpus: set[int]) -> list[list[int]]:
+    """``cpus`` grouped by physical core (hyperthread siblings together), in CPU order; each CPU
+    alone when the topology cannot be read."""
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for cpu in sorted(cpus):
+        siblings_file = Path(f"/sys/devices/system/cpu/cpu{cpu}/topology/thread_siblings_list")
+        try:
+            siblings = tuple(sorted(_parse_cpu_list(siblings_file.read_text()) & cpus))
+        except (OSError, ValueError):
+            siblings = (cpu,)
+        groups.setdefault(siblings or (cpu,), []).append(cpu)
+    return sorted(groups.values())
+
+
+def _parse_cpu_list(text: str) -> set[int]:
+    """``0-3,8`` -> {0, 1, 2, 3, 8}."""
+    cpus: set[int] = set()
+    for part in text.strip().split(","):
+        low, _, high = part.partition("-")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return cpus
+
+
+def plan(engines: list[str], cpus: set[int], per_role: int = 2) -> dict[str, Any] | None:
+    """Which CPUs each engine's front end and engine core get (whole physical cores, at least
+    ``per_role`` CPUs each: a busy main thread and the socket threads beside it), and what is
+    left for the rest; None when the host has too few cores for that and one core more."""
+    cores = physical_cores(cpus)
+    layout: dict[str, Any] = {}
+    for engine in engines:
+        roles = {}
+        for role in ("front_end", "engine_core"):
+            taken: list[int] = []
+            while cores and len(taken) < per_role:
+                taken += cores.pop(0)
+            roles[role] = taken
+        layout[engine] = roles
+    if not cores or any(len(cpus) < per_role for roles in layout.values() for cpus in roles.values()):
+        return None
+    layout["rest"] = sorted(cpu for core in cores for cpu in core)
+    return layout
+
+
+def pin_tree(pid: int, cpus: list[int], *, children_to: list[int] | None = None) -> int:
+    """Pin every thread of process ``pid`` to ``cpus`` and every thread of its descendants to
+    ``children_to`` (default the same); returns how many threads were pinned."""
+    import psutil
+
+    process = psutil.Process(pid)
+    pinned = _pin_threads(pid, cpus)
+    for child in process.children(recursive=True):
+        pinned += _pin_threads(child.pid, children_to or cpus)
+    return pinned
+
+
+def _pin_threads(pid: int, cpus: list[int]) -> int:
+    pinned = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            os.sched_setaffinity(int(task.name), cpus)
+            pinned += 1
+        except (ProcessLookupError, PermissionError):  # a thread that ended meanwhile
+            continue
+    return pinned
+
+
+def pin_engines(engine_pids: dict[str, int]) -> dict[str, Any]:
+    """Pin each engine's process tree (front end: the process; engine core: its descendants)
+    and this process; returns the layout, or why nothing was pinned."""
+    cpus = os.sched_getaffinity(0)
+    layout = plan(list(engine_pids), cpus)
+    if layout is None:
+        return {"pinned": False, "why": f"{len(physical_cores(cpus))} physical cores for {len(engine_pids)} engines"}
+    try:
+        threads = {
+            engine: pin_tree(pid, layout[engine]["front_end"], children_to=layout[engine]["engine_core"])
+            for engine, pid in engine_pids.items()
+        }
+        threads["bench"] = _pin_threads(os.getpid(), layout["rest"])
+    except ImportError:
+        return {"pinned": False, "why": "psutil is not installed"}
+    return {"pinned": True, "layout": layout, "threads_pinned": threads}
