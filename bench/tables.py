@@ -72,6 +72,21 @@ def _gpu_power(runs: dict[str, list[dict[str, Any]]]) -> list[str]:
     return _per_variant_table(runs, "gpu", header, row)
 
 
+def _pinning(pinning: dict[str, Any] | None) -> str:
+    """How the engines' processes were placed on the host's CPUs (``cpu_pinning.py``)."""
+    if pinning is None:
+        return "CPUs not pinned"
+    if not pinning.get("pinned"):
+        return f"CPUs not pinned ({pinning.get('why')})"
+    layout = pinning["layout"]
+    engines = "; ".join(
+        f"{name} front end {roles['front_end']}, engine core {roles['engine_core']}"
+        for name, roles in layout.items()
+        if name != "rest"
+    )
+    return f"CPUs pinned: {engines}; the rest {layout['rest']}"
+
+
 def gpu_check(data: dict[str, Any]) -> list[str]:
     skip = {"steered_text", "device"}
     lines = [f"GPU check ({data.get('dtype')}, {data.get('device')})", "", "| check | result |", "|---|---|"]
@@ -84,7 +99,7 @@ def throughput(data: dict[str, Any]) -> list[str]:
     lines = [
         f"Throughput, {data['model']}: {data['prompts']} prompts x {data['new_tokens']} new tokens, "
         f"{data['rounds_done']} rounds, detokenize={data.get('detokenize', True)}, "
-        f"weights={data.get('weights', 'as-loaded')}",
+        f"weights={data.get('weights', 'as-loaded')}, {_pinning(data.get('cpu_pinning'))}",
         "",
         "| variant | median tok/s | min–max | ratio to vanilla | target | median s | worker host: route / harvest s "
         "| prepare / generate / fetch s | distinct ids / unknown to tokenizer |",
