@@ -249,8 +249,11 @@ class StepRouter:
     ) -> None:
         """Record each scheduled request's highest position (``_route`` does this when it runs)."""
         present = batch_index >= 0
-        index, slots = batch_index[present], layout.slot[present]
-        last = computed[index] + query_start[index + 1] - query_start[index] - 1
+        index = batch_index[present]
+        self._record_seen(layout.slot[present], computed[index] + query_start[index + 1] - query_start[index] - 1)
+
+    def _record_seen(self, slots: np.ndarray, last: np.ndarray) -> None:
+        """Raise each request's highest position seen to ``last`` (a recomputation leaves it)."""
         self._requests["seen"][slots] = np.maximum(self._requests["seen"][slots], last)
 
     @staticmethod
@@ -310,7 +313,7 @@ class StepRouter:
         blocks = np.nonzero(active & ~decode & (layout.capture_kind >= 0))[0]
         for k in blocks:
             self._route_block(layout.states[k], int(starts[k]), int(counts[k]), int(first[k]), int(seen[k]), work)
-        self._requests["seen"][layout.slot[active]] = np.maximum(seen[active], first[active] + counts[active] - 1)
+        self._record_seen(layout.slot[active], first[active] + counts[active] - 1)
         # What a repeat of this step (``_compare_with_last_step``) redoes: only pooled decode rows, all new.
         candidates = decode & (layout.capture_kind >= 0)
         simple = not (blocks.size or work.per_token or work.features) and bool(fresh[candidates].all())
