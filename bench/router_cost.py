@@ -1,7 +1,7 @@
 """Host time of the step router per decode step, without a model.
 
     python bench/router_cost.py [--requests 256] [--steps 300] [--width 4096] [--sites 34]
-                                [--profile [--profile-workload W]] [--out F]
+                                [--profile | --count-ops] [--profile-workload W] [--out F]
 
 The router's ``begin_step`` / ``end_step`` run on vLLM's critical path: at 256 concurrent
 requests an 8B decode step on an H200 is ~11 ms, most of it vLLM's own host work, so every
@@ -17,17 +17,23 @@ there is one (device copies and kernel launches included) and on the CPU otherwi
 against the worker's ``host_seconds`` in the throughput bench (which records both too), it tells
 the router's own cost apart from time the worker spends waiting (for the GIL, or for the
 device) inside vLLM.
+
+``--count-ops`` counts the torch operations one workload's steps dispatch, per line of this
+package that called them (views left out: they launch nothing).  On a GPU each is a kernel
+launch or copy of some 20-30 µs of host time, so the count carries over from the CPU machine.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import itertools
 import json
 import pstats
 import statistics
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -130,6 +136,47 @@ def run(workload: str, args: argparse.Namespace, device: torch.device) -> list[t
     return times
 
 
+VIEW_OPS = {"alias", "detach", "expand", "lift_fresh", "permute", "reshape", "select", "slice", "unsqueeze", "view"}
+
+
+def count_ops(workload: str, args: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """Per decode step, how many torch operations (views aside) each line of this package
+    dispatches within ``begin_step`` and ``end_step``, most first."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    counts: collections.Counter[str] = collections.Counter()
+    routing = {"on": False}
+
+    class Counter(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            name = func.overloadpacket.__name__
+            if routing["on"] and name not in VIEW_OPS:
+                frames = [f for f in traceback.extract_stack()[:-1] if "inspect_tl_vllm" in f.filename]
+                caller = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} {frames[-1].name}" if frames else "?"
+                counts[f"{caller} {name}"] += 1
+            return func(*args, **(kwargs or {}))
+
+    def counted(method: Any) -> Any:
+        def wrapper(*a: Any, **k: Any) -> Any:
+            routing["on"] = True
+            try:
+                return method(*a, **k)
+            finally:
+                routing["on"] = False
+
+        return wrapper
+
+    begin, end = StepRouter.begin_step, StepRouter.end_step
+    StepRouter.begin_step, StepRouter.end_step = counted(begin), counted(end)  # type: ignore[method-assign]
+    try:
+        with Counter():
+            run(workload, args, device)
+    finally:
+        StepRouter.begin_step, StepRouter.end_step = begin, end  # type: ignore[method-assign]
+    steps = args.steps + 1  # and the prefill step
+    return {key: round(n / steps, 2) for key, n in counts.most_common()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--requests", type=int, default=256)
@@ -137,6 +184,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--sites", type=int, default=34)
     parser.add_argument("--profile", action="store_true", help="print the top functions of one workload")
+    parser.add_argument("--count-ops", action="store_true", help="print one workload's torch ops per step, by caller")
     parser.add_argument("--profile-workload", default="steer", choices=WORKLOADS)
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
@@ -155,6 +203,11 @@ def main() -> None:
         run(args.profile_workload, args, device)
         profile.disable()
         pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+    if args.count_ops:
+        ops = count_ops(args.profile_workload, args, device)
+        print(f"{args.profile_workload}: {sum(ops.values()):.1f} torch ops per step")
+        for caller, per_step in ops.items():
+            print(f"  {per_step:6.2f}  {caller}")
 
 
 if __name__ == "__main__":

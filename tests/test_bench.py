@@ -26,12 +26,17 @@ def test_router_cost_runs_every_workload(tmp_path):
         "4",
         "--out",
         str(out),
+        "--count-ops",
+        "--profile-workload",
+        "steer_churn",
     ]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(out.read_text())
     workloads = ("plain", "steer", "steer_churn", "capture_mean", "capture_mean_churn", "features")
     assert {f"{workload}_ms_per_step" for workload in workloads} <= set(result)
+    # a request replaced every step writes its routing entries: the count names the lines that do it
+    assert "steer_churn: " in done.stdout and "_write_admissions index_put_" in done.stdout, done.stdout[-2000:]
 
 
 def test_cpu_pinning_gives_each_engine_whole_cores_and_pins_a_process_tree(monkeypatch):
