@@ -1,14 +1,14 @@
 """Give each engine's busy processes physical cores of their own for the throughput bench.
 
-On the small models the engine core's main thread is busy for the whole run in vanilla vLLM
-too, so its speed sets tokens/s.  Left to the scheduler, that thread sometimes shares a
-physical core (its hyperthread sibling) with another busy thread, and the same work may then
-take about 40% more CPU time: on an H100 host, rounds of the same variant fell into two clusters
-(1.6 s and 2.3 s of the busiest thread for the same work), wider apart than the overheads the
-bench measures.  Pinning gives every engine the same cores to itself: its engine core
-processes whole physical cores (both siblings) for at least two CPUs, its front-end process as
-many, and everything else (this script, the samplers) the cores that are left.  It measures the engines, not the
-scheduler; users' runs are not pinned.
+On the small models the engine core's main thread is busy for the whole run, in vanilla vLLM
+too, so its speed sets tokens/s.  On an H100 host the rounds of every variant fell into two
+clusters, the busiest thread taking 1.6 s or 2.3 s of CPU for the same steps: wider apart than
+the overheads the bench measures.  One cause that fits is the scheduler putting that thread on
+the hyperthread sibling of another busy thread; pinning rules it out and gives every engine the
+same kind of place: its engine core processes get whole physical cores (both siblings) for at
+least two CPUs, its front-end process as many, and everything else (the bench's own process,
+its samplers) the cores that are left.  It is for measuring the engines; users' runs are not
+pinned.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def plan(engines: list[str], cpus: set[int], per_role: int = 2) -> dict[str, Any
                 taken += cores.pop(0)
             roles[role] = taken
         layout[engine] = roles
-    if not cores or any(len(cpus) < per_role for roles in layout.values() for cpus in roles.values()):
+    if not cores or any(len(taken) < per_role for roles in layout.values() for taken in roles.values()):
         return None
     layout["rest"] = sorted(cpu for core in cores for cpu in core)
     return layout
@@ -86,7 +86,7 @@ def _pin_threads(pid: int, cpus: list[int]) -> int:
 
 def pin_engines(engine_pids: dict[str, int]) -> dict[str, Any]:
     """Pin each engine's process tree (front end: the process; engine core: its descendants)
-    and this process; returns the layout, or why nothing was pinned."""
+    and the calling process (to the cores left); returns the layout, or why nothing was pinned."""
     cpus = os.sched_getaffinity(0)
     layout = plan(list(engine_pids), cpus)
     if layout is None:
