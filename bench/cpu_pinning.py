@@ -6,9 +6,9 @@ clusters, the busiest thread taking 1.6 s or 2.3 s of CPU for the same steps: wi
 the overheads the bench measures.  One cause that fits is the scheduler putting that thread on
 the hyperthread sibling of another busy thread; pinning rules it out and gives every engine the
 same kind of place: its engine core processes get whole physical cores (both siblings) for at
-least two CPUs, its front-end process as many, and everything else (the bench's own process,
-its samplers) the cores that are left.  It is for measuring the engines; users' runs are not
-pinned.
+least four CPUs, its front-end process for two, and everything else (the bench's own process,
+its samplers) the cores that are left.  It is an experiment of the bench (``--pin-cpus on``),
+not yet shown to narrow the spread; users' runs are not pinned.
 """
 
 from __future__ import annotations
@@ -41,21 +41,27 @@ def _parse_cpu_list(text: str) -> set[int]:
     return cpus
 
 
-def plan(engines: list[str], cpus: set[int], per_role: int = 2) -> dict[str, Any] | None:
+ROLE_CPUS = {"front_end": 2, "engine_core": 4}
+"""CPUs each role gets at least: the front end's main thread and its socket threads; the engine
+core's main thread, and room beside it for the threads the instrumented engine adds (writers)."""
+
+
+def plan(engines: list[str], cpus: set[int]) -> dict[str, Any] | None:
     """Which CPUs each engine's front end and engine core get (whole physical cores, at least
-    ``per_role`` CPUs each: a busy main thread and the socket threads beside it), and what is
-    left for the rest; None when the host has too few cores for that and one core more."""
+    ``ROLE_CPUS`` each), and what is left for the rest; None when the host has too few cores for
+    that and one core more."""
     cores = physical_cores(cpus)
     layout: dict[str, Any] = {}
     for engine in engines:
         roles = {}
-        for role in ("front_end", "engine_core"):
+        for role, wanted in ROLE_CPUS.items():
             taken: list[int] = []
-            while cores and len(taken) < per_role:
+            while cores and len(taken) < wanted:
                 taken += cores.pop(0)
             roles[role] = taken
         layout[engine] = roles
-    if not cores or any(len(taken) < per_role for roles in layout.values() for taken in roles.values()):
+    short = any(len(roles[role]) < wanted for roles in layout.values() for role, wanted in ROLE_CPUS.items())
+    if short or not cores:
         return None
     layout["rest"] = sorted(cpu for core in cores for cpu in core)
     return layout

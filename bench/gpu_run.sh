@@ -25,6 +25,8 @@
 # all with weights at training-init scale:
 #   bash bench/gpu_run.sh 1b     OUTDIR   # throughput, Llama-3.2-1B shape, the five standard variants (~3 min)
 #   bash bench/gpu_run.sh 1b-long OUTDIR  # the same with 10 rounds, for medians that resolve 1-2% (~5 min)
+#   bash bench/gpu_run.sh 1b-pinned OUTDIR  # 1b-long with each engine on CPUs of its own (--pin-cpus on),
+#                                          # to compare its spread with 1b-long's (~5 min)
 #   bash bench/gpu_run.sh 2b     OUTDIR   # throughput, Gemma-2-2B shape, the five standard variants (~4 min)
 #   bash bench/gpu_run.sh peers-1b OUTDIR # the five and hotwire, Llama-3.2-1B shape, three engines at 0.3 of
 #                                          # the GPU's memory each (~4 min)
@@ -55,7 +57,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh install|check|quick|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|1b-long|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
+step=${1:?usage: gpu_run.sh install|check|quick|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|1b-long|1b-pinned|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -154,6 +156,10 @@ case "$step" in
   1b-long)
     timeout 570 python3 bench/throughput.py --model llama1b-shape --prompts 256 --new-tokens 256 --runs 10 \
       --weights scaled --out "$out/throughput_1b_scaled_long.json" >"$log" 2>&1
+    ;;
+  1b-pinned)
+    timeout 570 python3 bench/throughput.py --model llama1b-shape --prompts 256 --new-tokens 256 --runs 10 \
+      --weights scaled --pin-cpus on --out "$out/throughput_1b_scaled_pinned.json" >"$log" 2>&1
     ;;
   sae-8b)
     timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 5 \

@@ -608,9 +608,9 @@ def main() -> int:
     parser.add_argument("--py-spy", default=None, metavar="BIN", help="profile one extra run per instrumented variant")
     parser.add_argument(
         "--pin-cpus",
-        choices=["auto", "off"],
-        default="auto",
-        help="auto: each engine's front end and engine core on physical cores of their own when the host "
+        choices=["on", "off"],
+        default="off",
+        help="on: each engine's front end and engine core on physical cores of their own, where the host "
         "has enough (cpu_pinning.py); off: the scheduler places them",
     )
     parser.add_argument("--out", default=None)
@@ -681,7 +681,7 @@ def measure(args: argparse.Namespace, variants: list[str], kinds: list[str]) -> 
             summary.setdefault("profiled_plain_tok_s", {})[when] = round(result.get("tok_s", 0), 1)
             print(f"[bench] plain under py-spy, {when}: {result.get('tok_s', 0):.0f} tok/s", flush=True)
 
-    if args.pin_cpus == "auto" and not args.cpu:
+    if args.pin_cpus == "on":
         summary["cpu_pinning"] = cpu_pinning.pin_engines({kind: process.pid for kind, (process, _) in engines.items()})
         print(f"[bench] CPU pinning: {json.dumps(summary['cpu_pinning'])}", flush=True)
     errors = summary.setdefault("errors", {})

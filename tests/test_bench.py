@@ -50,12 +50,13 @@ def test_cpu_pinning_gives_each_engine_whole_cores_and_pins_a_process_tree(monke
     monkeypatch.setattr(cpu_pinning, "physical_cores", lambda cpus: [list(core) for core in siblings])
     layout = cpu_pinning.plan(["vanilla", "instrumented"], set(range(16)))
     assert layout == {
-        "vanilla": {"front_end": [0, 8], "engine_core": [1, 9]},
-        "instrumented": {"front_end": [2, 10], "engine_core": [3, 11]},
-        "rest": [4, 5, 6, 7, 12, 13, 14, 15],
+        "vanilla": {"front_end": [0, 8], "engine_core": [1, 9, 2, 10]},
+        "instrumented": {"front_end": [3, 11], "engine_core": [4, 12, 5, 13]},
+        "rest": [6, 7, 14, 15],
     }
     monkeypatch.setattr(cpu_pinning, "physical_cores", lambda cpus: [[cpu] for cpu in sorted(cpus)])
-    assert cpu_pinning.plan(["vanilla", "instrumented"], set(range(8))) is None  # nothing left for the rest
+    assert cpu_pinning.plan(["vanilla", "instrumented"], set(range(12))) is None  # nothing left for the rest
+    assert cpu_pinning.plan(["vanilla", "instrumented"], set(range(13)))["rest"] == [12]
     monkeypatch.undo()
 
     # a real process with a child: the parent's threads on one CPU, the child's on another
