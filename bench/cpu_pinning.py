@@ -67,15 +67,15 @@ def plan(engines: list[str], cpus: set[int]) -> dict[str, Any] | None:
     return layout
 
 
-def pin_tree(pid: int, cpus: list[int], *, children_to: list[int] | None = None) -> int:
+def pin_tree(pid: int, cpus: list[int], *, children_to: list[int]) -> int:
     """Pin every thread of process ``pid`` to ``cpus`` and every thread of its descendants to
-    ``children_to`` (default the same); returns how many threads were pinned."""
+    ``children_to``; returns how many threads were pinned."""
     import psutil
 
     process = psutil.Process(pid)
     pinned = _pin_threads(pid, cpus)
     for child in process.children(recursive=True):
-        pinned += _pin_threads(child.pid, children_to or cpus)
+        pinned += _pin_threads(child.pid, children_to)
     return pinned
 
 
