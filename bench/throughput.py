@@ -442,6 +442,7 @@ def run_variant(
         after = engine.status()
         result["worker"] = after
         result["worker_steps"] = after["steps"] - before["steps"]
+        result["worker_step_kinds"] = {k: v - before["step_kinds"].get(k, 0) for k, v in after["step_kinds"].items()}
         result["worker_host_s"] = {k: round(v - before["host_seconds"][k], 3) for k, v in after["host_seconds"].items()}
         pinned = after["pinned_host"]  # pinned blocks made during this run, and the time it took
         result["pinned_host"] = {
@@ -729,7 +730,7 @@ def write_summary(
     summary["rounds_done"] = min((len(runs) for runs in results.values()), default=0)
     summary["table"] = table(results)
     summary["agreement"] = agreement(results)
-    kept = ("seconds", "tok_s", "worker_steps", "worker_host_s", "phases_s", "pinned_host")
+    kept = ("seconds", "tok_s", "worker_steps", "worker_step_kinds", "worker_host_s", "phases_s", "pinned_host")
     kept += ("distinct_tokens", "unknown_token_share", "gpu", "procs")
     summary["runs"] = {v: [{k: r[k] for k in kept if k in r} for r in rs] for v, rs in results.items()}
     instrumented = [runs[-1] for variant, runs in results.items() if engine_for(variant) == "instrumented" and runs]

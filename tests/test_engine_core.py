@@ -57,12 +57,15 @@ def test_worker_accounts_its_host_time_as_wall_and_cpu_time(tiny_engine):
     took, how much of that the thread spent working rather than waiting (each run must add to
     both), how long its process spent in Python's garbage collector, and how the pinned host
     pool grew.  One request alone, so that its steps are known: a prefill, then a decode step
-    for each token after the first."""
+    for each token after the first, of which all but the first repeat the step before (and
+    reuse its routing: the fast path a long decode runs on)."""
     before = tiny_engine.status()
     spec = {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [0.5] * 64}]}
     tiny_engine.generate(PROMPTS[0], specs=[spec], max_tokens=5, ignore_eos=True)
     after = tiny_engine.status()
     assert after["steps"] - before["steps"] == 5
+    kinds = {kind: count - before["step_kinds"][kind] for kind, count in after["step_kinds"].items()}
+    assert kinds == {"new_batch": 1, "same_batch": 1, "repeated": 3}
     for phase in ("route", "harvest"):
         wall = after["host_seconds"][phase] - before["host_seconds"][phase]
         cpu = after["host_seconds"][f"{phase}_cpu"] - before["host_seconds"][f"{phase}_cpu"]

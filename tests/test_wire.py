@@ -94,6 +94,7 @@ def status(collects: bool, sites: list[str], steps: int) -> dict:
         live_requests=0,
         collects=collects,
         steps=steps,
+        step_kinds={"new_batch": 1, "same_batch": 0, "repeated": steps - 1},
         resumed_after_preemption=0,
         written_early=0,
         host_seconds={"route": 0.5},
@@ -106,3 +107,4 @@ def test_worker_statuses_merge_recording_ranks_and_total_the_rest():
     assert merged["sites"] == ["a", "b"] and merged["fired"] == [5, 5]
     assert (merged["buffer_bytes"], merged["pending_results"], merged["steps"], merged["workers"]) == (200, 1, 7, 2)
     assert merged["host_seconds"] == {"route": 0.5}
+    assert merged["step_kinds"] == {"new_batch": 1, "same_batch": 0, "repeated": 4}

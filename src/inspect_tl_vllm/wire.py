@@ -127,6 +127,7 @@ class WorkerStatus(Message):
     live_requests: int
     collects: bool  # whether this worker records captures and receipts (tensor-parallel rank 0)
     steps: int
+    step_kinds: dict[str, int]  # steps routed, by how much of the last step's routing they reused
     resumed_after_preemption: int
     written_early: int
     host_seconds: dict[str, float]

@@ -433,6 +433,7 @@ def merge_status(per_worker: list[Any]) -> dict[str, Any]:
         "live_requests": max(status.live_requests for status in workers),
         "workers": len(workers),
         "steps": max(status.steps for status in workers),
+        "step_kinds": recording[0].step_kinds if len(recording) == 1 else [s.step_kinds for s in recording],
         "resumed_after_preemption": max(status.resumed_after_preemption for status in workers),
         "written_early": sum(status.written_early for status in recording),
         "host_seconds": recording[0].host_seconds if len(recording) == 1 else [s.host_seconds for s in recording],

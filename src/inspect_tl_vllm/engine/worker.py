@@ -228,6 +228,7 @@ class Controller:
             live_requests=len(self.live),
             collects=self.router.collect,
             steps=self.steps,
+            step_kinds=dict(self.router.step_kinds),
             resumed_after_preemption=self.resumed,
             written_early=self.packer.written_early,
             host_seconds=self.host_time.report(),

@@ -47,6 +47,9 @@ from inspect_tl_vllm.instrument.slots import LAYOUT_COLUMNS, Layout, PooledItems
 from inspect_tl_vllm.instrument.steering_receipts import ReceiptReads, SteeringReceipts
 from inspect_tl_vllm.instrument.steering_routes import SteeringRoutes
 
+STEP_KINDS = ("new_batch", "same_batch", "repeated")
+"""How much of the last step's routing a step reused: none, the batch map, or all of it."""
+
 
 @dataclass
 class _StepWork:
@@ -109,6 +112,8 @@ class StepRouter:
         self._work: _StepWork | None = None
         self._in_flight: list[InFlight] = []
         self.max_requests_steered_in_one_step = 0  # evidence that batches really mix specs
+        # steps routed, by ``STEP_KINDS``: benchmarks report how many reused the last step's routing
+        self.step_kinds = dict.fromkeys(STEP_KINDS, 0)
 
     # -- requests -------------------------------------------------------------------------
     @property
@@ -171,6 +176,7 @@ class StepRouter:
         if not (layout.states or self._steering.active):
             return
         same_batch, repeat = self._compare_with_last_step(layout, batch_index, query_start, computed)
+        self.step_kinds["repeated" if repeat else "same_batch" if same_batch else "new_batch"] += 1
         if self._steering.active:
             self._steer(layout, batch_index, query_start, computed, rows, same_batch, repeat)
         if not (layout.states and self.collect and layout.captures):
