@@ -10,13 +10,13 @@ its prefix-cache entries apart from differently steered requests, and
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import torch
 
 from inspect_tl_vllm.engine.handoff import HandoffFolder
@@ -216,8 +216,7 @@ class Instrumentation:
         wire = RequestWire(uid=uid, steer=steer, capture=capture)
         salt = None
         if steer:
-            encoded = [item.encode() for item in steer]
-            salt = hashlib.sha256(json.dumps(encoded, sort_keys=True).encode()).hexdigest()[:24]
+            salt = hashlib.sha256(msgspec.json.encode(steer)).hexdigest()[:24]  # fields in a fixed order
         return PreparedRequest(uid, wire, vectors, salt, capture is not None, spec)
 
     def _features(self, capture: Capture, where: str) -> tuple[FeaturesWire, str]:
