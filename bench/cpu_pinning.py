@@ -8,7 +8,9 @@ the hyperthread sibling of another busy thread; pinning rules it out and gives e
 same kind of place: its engine core processes get whole physical cores (both siblings) for at
 least four CPUs, its front-end process for two, and everything else (the bench's own process,
 its samplers) the cores that are left.  It is an experiment of the bench (``--pin-cpus on``),
-not yet shown to narrow the spread; users' runs are not pinned.
+and it did not narrow the spread where tried (docs/BENCHMARKS.md, the 1B section: on a noisy
+H200 host vanilla's pinned rounds spread as widely as its unpinned ones; on a quiet H100 host
+neither spread); users' runs are not pinned.
 """
 
 from __future__ import annotations
