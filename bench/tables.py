@@ -102,8 +102,8 @@ def throughput(data: dict[str, Any]) -> list[str]:
         f"weights={data.get('weights', 'as-loaded')}, {_pinning(data.get('cpu_pinning'))}",
         "",
         "| variant | median tok/s | min–max | ratio to vanilla | target | median s | worker host: route / harvest s "
-        "| prepare / generate / fetch s | distinct ids / unknown to tokenizer |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| worker steps (repeated) | prepare / generate / fetch s | distinct ids / unknown to tokenizer |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in data["table"]:
         variant = row["variant"]
@@ -115,6 +115,12 @@ def throughput(data: dict[str, Any]) -> list[str]:
             if all("route_cpu" in h for h in host):  # the thread's CPU time within them, where recorded
                 host_text += f" (CPU {_median(h['route_cpu'] for h in host):.2f} / "
                 host_text += f"{_median(h['harvest_cpu'] for h in host):.2f})"
+        steps = [r for r in runs.get(variant, []) if "worker_steps" in r]
+        steps_text = "—"
+        if steps:  # and how many reused the last step's routing, where recorded
+            steps_text = f"{_median(r['worker_steps'] for r in steps):.0f}"
+            if all("worker_step_kinds" in r for r in steps):
+                steps_text += f" ({_median(r['worker_step_kinds']['repeated'] for r in steps):.0f})"
         phases = [r["phases_s"] for r in runs.get(variant, []) if r.get("phases_s")]
         phase_text = "—"
         if phases:
@@ -129,7 +135,7 @@ def throughput(data: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {variant} | {row['median_tok_s']:,.0f} | {row['min_tok_s']:,.0f}–{row['max_tok_s']:,.0f} "
             f"| {row['ratio_to_vanilla']} | {'—' if target is None else f'≥ {target}'} "
-            f"| {seconds[len(seconds) // 2]:.2f} | {host_text} | {phase_text} | {token_text} |"
+            f"| {seconds[len(seconds) // 2]:.2f} | {host_text} | {steps_text} | {phase_text} | {token_text} |"
         )
     lines += [
         "",
