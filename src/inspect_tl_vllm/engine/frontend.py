@@ -422,6 +422,12 @@ def merge_status(per_worker: list[Any]) -> dict[str, Any]:
     recording ranks, totals of the rest."""
     workers = [WorkerStatus.decode(status) for status in per_worker]
     recording = [status for status in workers if status.collects]
+
+    def per_recording(field: str) -> Any:
+        """A recording rank's own dict, or one per rank when several record (pipeline stages)."""
+        values = [getattr(status, field) for status in recording]
+        return values[0] if len(values) == 1 else values
+
     return {
         "sites": [name for status in recording for name in status.sites],
         "fired": [count for status in recording for count in status.fired],
@@ -432,11 +438,11 @@ def merge_status(per_worker: list[Any]) -> dict[str, Any]:
         "live_requests": max(status.live_requests for status in workers),
         "workers": len(workers),
         "steps": max(status.steps for status in workers),
-        "step_kinds": recording[0].step_kinds if len(recording) == 1 else [s.step_kinds for s in recording],
+        "step_kinds": per_recording("step_kinds"),
         "resumed_after_preemption": max(status.resumed_after_preemption for status in workers),
         "written_early": sum(status.written_early for status in recording),
-        "host_seconds": recording[0].host_seconds if len(recording) == 1 else [s.host_seconds for s in recording],
-        "pinned_host": recording[0].pinned_host if len(recording) == 1 else [s.pinned_host for s in recording],
+        "host_seconds": per_recording("host_seconds"),
+        "pinned_host": per_recording("pinned_host"),
     }
 
 
