@@ -80,7 +80,7 @@ def states(workload: str, count: int, site: int, encoder: Any = None) -> list[Re
         elif kind == "features":  # top 32 SAE features per token (instrument/feature_captures.py)
             state.capture = [CaptureItem(hook="h", site=site)]
             state.capture_scope = Scope.resolve("all", PROMPT_LEN)
-            state.features = FeaturesWire(sae="-", top_k=32, features=None, reduce="none")
+            state.features = FeaturesWire(sae="-", digest="-", top_k=32, features=None, reduce="none")
             state.encoder = encoder
         out.append(state)
     return out

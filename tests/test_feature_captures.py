@@ -37,7 +37,7 @@ def feature_state(uid: str, prompt_len: int, reduce: str, encoder: Encoder, **wi
     state = RequestState(uid=uid, prompt_len=prompt_len, steer=[], capture=[CaptureItem(hook="h", site=0)])
     state.capture_scope = Scope.resolve("all", prompt_len)
     state.features = FeaturesWire(
-        sae="unused", top_k=wire.get("top_k", 3), features=wire.get("features"), reduce=reduce
+        digest="-", sae="unused", top_k=wire.get("top_k", 3), features=wire.get("features"), reduce=reduce
     )
     state.encoder = encoder
     return state

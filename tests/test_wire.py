@@ -99,6 +99,7 @@ def status(collects: bool, sites: list[str], steps: int) -> dict:
         written_early=0,
         host_seconds={"route": 0.5},
         pinned_host={"blocks_made": 0.0},
+        sae_held={"encoders": 1, "groups": 0, "pools": 0, "arenas": 0},
     ).encode()
 
 
@@ -108,3 +109,4 @@ def test_worker_statuses_merge_recording_ranks_and_total_the_rest():
     assert (merged["buffer_bytes"], merged["pending_results"], merged["steps"], merged["workers"]) == (200, 1, 7, 2)
     assert merged["host_seconds"] == {"route": 0.5}
     assert merged["step_kinds"] == {"new_batch": 1, "same_batch": 0, "repeated": 4}
+    assert merged["sae_held"] == {"encoders": 1, "groups": 0, "pools": 0, "arenas": 0}

@@ -64,9 +64,11 @@ class SteerWire(Message):
 
 class FeaturesWire(Message):
     """A capture of SAE features: the worker encodes the hook point's rows with the SAE at
-    ``sae`` (a folder it reads itself) and keeps the ``top_k`` largest, or the listed ``features``."""
+    ``sae`` (a folder it reads itself, whose files must hash to ``digest``, as the front end read
+    them) and keeps the ``top_k`` largest, or the listed ``features``."""
 
     sae: str
+    digest: str
     top_k: int
     features: list[int] | None
     reduce: str  # none | mean | max | last, over the captured rows in feature space
@@ -132,3 +134,4 @@ class WorkerStatus(Message):
     written_early: int
     host_seconds: dict[str, float]
     pinned_host: dict[str, float]
+    sae_held: dict[str, int]  # SAE encoders on the device, and the feature captures' groups, pools, arenas

@@ -234,7 +234,9 @@ class Instrumentation:
             raise SpecError(f"{where}.features: {past[:5]} out of range; {sae.path} has features 0..{sae.d_sae - 1}")
         if capture.features is None and capture.top_k > sae.d_sae:
             raise SpecError(f"{where}.top_k: {capture.top_k} is more than the SAE's {sae.d_sae} features")
-        wire = FeaturesWire(sae=str(sae.path), top_k=capture.top_k, features=capture.features, reduce=capture.reduce)
+        wire = FeaturesWire(
+            sae=str(sae.path), digest=sae.digest, top_k=capture.top_k, features=capture.features, reduce=capture.reduce
+        )
         return wire, sae.hook
 
     def pending_upload(self, requests: list[PreparedRequest | None]) -> VectorUpload | None:
@@ -443,6 +445,7 @@ def merge_status(per_worker: list[Any]) -> dict[str, Any]:
         "written_early": sum(status.written_early for status in recording),
         "host_seconds": per_recording("host_seconds"),
         "pinned_host": per_recording("pinned_host"),
+        "sae_held": per_recording("sae_held"),
     }
 
 

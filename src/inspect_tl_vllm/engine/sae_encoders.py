@@ -1,10 +1,13 @@
 """The SAEs that requests capture features of, on the worker's device.
 
-A request's SAE capture names a folder (``wire.FeaturesWire.sae``); the worker reads it itself
-(a worker on another host needs the same path) and keeps its encoder on the device, in the
+A request's SAE capture names a folder and the sha256 of its files as the front end read them at
+admission (``wire.FeaturesWire``); the worker reads the folder itself (a worker on another host
+needs the same path), refuses the request when the files it reads are not those (the folder was
+rewritten meanwhile) or do not fit the model, and keeps the encoder on the device, in the
 model's dtype (a float32 encoder would cost bfloat16 tensor cores several times over), for the
-requests that follow.  ``instrument/feature_captures.py`` only calls ``encode`` and reads
-``d_sae``.
+requests that follow.  Only the encoder is kept, and at most ``MAX_HELD`` of them: a request
+holds its own encoder until it is fetched, so one evicted here stays alive only that long.
+``instrument/feature_captures.py`` only calls ``encode`` and reads ``d_sae``.
 """
 
 from __future__ import annotations
@@ -19,20 +22,33 @@ MAX_HELD = 2
 
 
 class SaeEncoders:
-    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(self, device: torch.device, dtype: torch.dtype, width: int) -> None:
         self.device = device
         self.dtype = dtype
-        self._held: dict[int, tuple[Any, Any]] = {}  # id of a loaded SAE -> (it, its encoder on the device)
+        self.width = width
+        self._held: dict[Any, Any] = {}  # the folder's files' version (``sae_version``) -> its encoder
         self._lock = threading.Lock()
 
-    def encoder(self, folder: str) -> Any:
-        """The encoder of the SAE in ``folder`` (a SpecError naming what is wrong with it)."""
-        from inspect_tl_vllm.vectors.sae import load_sae
+    def encoder(self, folder: str, digest: str) -> Any:
+        """The encoder of the SAE in ``folder``, whose files must hash to ``digest`` (a SpecError
+        naming what is wrong: other files, another width, not an SAE)."""
+        from inspect_tl_vllm.vectors.sae import read_sae, sae_version
 
-        sae = load_sae(folder, "capture.sae")
-        with self._lock:  # an entry holds ``sae`` itself, so its id is not reused while held
-            if id(sae) not in self._held:
-                while len(self._held) >= MAX_HELD:
+        where = "capture.sae"
+        version = sae_version(folder, where)
+        with self._lock:
+            encoder = self._held.get(version)
+        if encoder is None:
+            sae = read_sae(version[0], where)
+            sae.check_digest(digest, where)  # first: other files are the cause of any other mismatch
+            sae.check_width(self.width, where)
+            encoder = sae.encoder_on(self.device, self.dtype)
+            with self._lock:
+                self._held[version] = encoder
+                while len(self._held) > MAX_HELD:
                     self._held.pop(next(iter(self._held)))
-                self._held[id(sae)] = (sae, sae.encoder_on(self.device, self.dtype))
-            return self._held[id(sae)][1]
+        encoder.check_digest(digest, where)
+        return encoder
+
+    def __len__(self) -> int:
+        return len(self._held)

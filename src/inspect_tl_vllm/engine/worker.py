@@ -72,7 +72,7 @@ class Controller:
         )
         self.handles = install_hooks(inner.layers, inner.norm, self.sites, self.runtime)
         self.packer = ResultPacker(int(hf_config.hidden_size))
-        self.encoders = SaeEncoders(self.runtime.device, self.runtime.act_dtype)
+        self.encoders = SaeEncoders(self.runtime.device, self.runtime.act_dtype, int(hf_config.hidden_size))
         self.router = StepRouter(
             self.runtime,
             collect=_tensor_parallel_rank() == 0,
@@ -162,7 +162,7 @@ class Controller:
                 self.owned,
             )
             if state.features is not None and state.capture and self.router.collect:
-                state.encoder = self.encoders.encoder(state.features.sae)
+                state.encoder = self.encoders.encoder(state.features.sae, state.features.digest)
         except Exception as err:  # this request fails, alone: the step loop and every other request go on
             uid = str(raw.get("uid", "")) if isinstance(raw, dict) else ""
             state = RequestState(uid=uid, prompt_len=request.num_prompt_tokens, steer=[], capture=[])
@@ -233,6 +233,7 @@ class Controller:
             written_early=self.packer.written_early,
             host_seconds=self.host_time.report(),
             pinned_host=pinned_host_stats(),
+            sae_held={"encoders": len(self.encoders), **self.router.feature_holdings()},
         ).encode()
 
 

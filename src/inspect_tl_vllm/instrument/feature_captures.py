@@ -21,6 +21,8 @@ all requests of an SAE), are settled into ``state.feature_rows`` / ``state.featu
 
 from __future__ import annotations
 
+import itertools
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -96,6 +98,10 @@ class FeatureCaptures:
         self.group_of = np.zeros(64, dtype=np.int64)  # per slot: its encoding group (``group_key``), numbered
         self.groups: dict[tuple[Any, ...], int] = {}
         self.wanted: dict[int, torch.Tensor] = {}  # group number -> its listed features, on the device
+        # Live requests per group, pool and arena: what no admitted request uses is let go, so a
+        # worker that meets many SAEs and feature lists over its life holds only the current ones.
+        self.users: Counter[tuple[str, Any]] = Counter()
+        self._numbers = itertools.count()
 
     # -- requests -------------------------------------------------------------------------
     def admit(self, state: RequestState) -> None:
@@ -107,16 +113,26 @@ class FeatureCaptures:
         self.count[state.slot] = 0
         self.pending[state.slot] = -1
         self.states[state.slot] = state
-        number = self.group_of[state.slot] = self.groups.setdefault(group_key(state), len(self.groups))
+        key = group_key(state)
+        if key not in self.groups:
+            self.groups[key] = next(self._numbers)
+        number = self.group_of[state.slot] = self.groups[key]
         listed = state.features.features if state.features is not None else None
         if listed is not None and number not in self.wanted:  # copied once, not every step
             self.wanted[number] = device_index(np.array(listed), self.runtime.device, self.cuda)
+        self.users.update(self._uses(state))
         if pooled(state):
             key = id(state.encoder)
             if key not in self.pools:
                 self.pools[key] = (state.encoder, SiteAccumulators(state.encoder.d_sae, self.runtime.device))
             self.pools[key][1].ensure(state.slot + 1)
             self.resets.setdefault(key, []).append(state.slot)
+
+    def _uses(self, state: RequestState) -> list[tuple[str, Any]]:
+        """What ``state`` keeps in use while admitted: its group, and its pool or arena."""
+        assert state.features is not None
+        held = ("pool", id(state.encoder)) if pooled(state) else ("arena", row_width(state.features))
+        return [("group", group_key(state)), held]
 
     def flush_resets(self) -> None:
         for key, slots in self.resets.items():
@@ -241,7 +257,26 @@ class FeatureCaptures:
         state.feature_rows = (arena.positions[state.slot, :count].copy(), arena.rows[state.slot, :count].copy())
 
     def free(self, state: RequestState) -> None:
-        self.states.pop(state.slot, None)
+        """Let go of the slot, and of the group, pool or arena that no admitted request uses any more."""
+        if self.states.pop(state.slot, None) is None:
+            return
+        self.users.subtract(self._uses(state))
+        for use in self._uses(state):
+            if self.users[use] > 0:
+                continue
+            del self.users[use]
+            kind, key = use
+            if kind == "group":
+                self.wanted.pop(self.groups.pop(key), None)
+            elif kind == "pool":
+                del self.pools[key]
+                self.resets.pop(key, None)
+            else:
+                self.arenas.pop(key, None)  # none when no row was captured
+
+    def held(self) -> dict[str, int]:
+        """How many groups, pools and arenas are held (telemetry: they follow the live requests)."""
+        return {"groups": len(self.groups), "pools": len(self.pools), "arenas": len(self.arenas)}
 
 
 def pooled(state: RequestState) -> bool:

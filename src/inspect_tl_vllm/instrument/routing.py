@@ -137,6 +137,10 @@ class StepRouter:
             self._pooled_items[state.slot] = pooled
         self._layout = None
 
+    def feature_holdings(self) -> dict[str, int]:
+        """What the SAE captures hold for the live requests (``FeatureCaptures.held``)."""
+        return self._features.held()
+
     def retire(self, state: RequestState) -> None:
         """The request left vLLM: settle its numbers once the copies in flight have landed."""
         if self._live.pop(state.slot, None) is not None:

@@ -18,6 +18,7 @@ steering and clamping), and the encoder on a worker's device (``encoder_on``, fo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,8 @@ from inspect_tl_vllm.specs import MAX_FEATURE, MAX_VECTOR_ENTRY, SpecError, pars
 CONFIG = "cfg.json"
 WEIGHTS = "sae_weights.safetensors"
 ARCHITECTURES = ("standard", "jumprelu", "topk")
+BOOLEAN_FIELDS = {"apply_b_dec_to_input": True, "rescale_acts_by_decoder_norm": False}
+"""The config's flags this package reads, with SAELens' defaults."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,7 @@ class SparseAutoencoder:
     k: int | None
     apply_b_dec_to_input: bool
     rescale_acts_by_decoder_norm: bool
+    digest: str  # sha256 of cfg.json and the weights file, as read: the SAE's identity across processes
     _decoder_norms: torch.Tensor | None = dataclasses.field(default=None, repr=False, compare=False)
 
     def encode(self, activations: torch.Tensor) -> torch.Tensor:
@@ -66,6 +70,20 @@ class SparseAutoencoder:
             pre = pre * self.decoder_norms
         values, indices = pre.topk(self.k, dim=-1, sorted=False)
         return torch.zeros_like(pre).scatter(-1, indices, values.relu())
+
+    @property
+    def nbytes(self) -> int:
+        tensors = (self.W_enc, self.b_enc, self.W_dec, self.b_dec, self.threshold, self._decoder_norms)
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+    def check_digest(self, digest: str, where: str) -> None:
+        """A SpecError naming ``where`` unless these are the files a request was admitted with."""
+        if self.digest != digest:
+            raise SpecError(
+                f"{where}: the SAE files at {self.path} changed after this request was admitted (sha256 "
+                f"{digest[:12]}... then, {self.digest[:12]}... now); rerun it, and keep an SAE's files unchanged "
+                "while an eval uses them"
+            )
 
     @property
     def decoder_norms(self) -> torch.Tensor:
@@ -103,8 +121,35 @@ class SparseAutoencoder:
 
 
 def load_sae(path: str | Path, where: str = "sae") -> SparseAutoencoder:
-    """The SAE in the folder ``path`` (read once per folder and file versions), or a SpecError
-    naming ``where``, the file and what is wrong."""
+    """The SAE in the folder ``path`` (read once per version of its files, ``sae_version``), or a
+    SpecError naming ``where``, the file and what is wrong."""
+    version = sae_version(path, where)
+    sae = _loaded.get(version)
+    if sae is None:  # a folder rewritten since loads anew
+        sae = read_sae(version[0], where)
+        _loaded[version] = sae
+        while len(_loaded) > MAX_CACHED or (len(_loaded) > 1 and _cached_bytes() > MAX_CACHED_BYTES):
+            _loaded.pop(next(iter(_loaded)))
+    return sae
+
+
+SaeVersion = tuple[str, tuple[tuple[int, int, int, int], ...]]
+
+MAX_CACHED = 8
+MAX_CACHED_BYTES = 4 << 30
+"""SAEs kept loaded in one process, by count and by their tensors' bytes (the newest always stays)."""
+
+_loaded: dict[SaeVersion, SparseAutoencoder] = {}
+
+
+def _cached_bytes() -> int:
+    return sum(sae.nbytes for sae in _loaded.values())
+
+
+def sae_version(path: str | Path, where: str = "sae") -> SaeVersion:
+    """The folder's resolved path and, per file, (inode, size, mtime, ctime) in nanoseconds: a
+    rewrite changes the ctime even when it keeps the size and restores the mtime, so a cache keyed
+    on this never serves an older version.  A SpecError when the folder is not an SAE's."""
     folder = Path(path).expanduser()
     files = [folder / CONFIG, folder / WEIGHTS]
     for file in files:
@@ -113,25 +158,23 @@ def load_sae(path: str | Path, where: str = "sae") -> SparseAutoencoder:
                 f"{where}: {folder} is not an SAE folder: {file.name} not found (SAELens' format: "
                 f"{CONFIG} and {WEIGHTS}, as SAE.save_model writes them)"
             )
-    key = (str(folder.resolve()), tuple((stat.st_mtime_ns, stat.st_size) for stat in (file.stat() for file in files)))
-    sae = _loaded.get(key)
-    if sae is None:  # a folder rewritten since (other mtimes or sizes) loads anew
-        sae = _loaded[key] = _read(key[0], where)
-        while len(_loaded) > 8:
-            _loaded.pop(next(iter(_loaded)))
-    return sae
+    stats = (file.stat() for file in files)
+    return str(folder.resolve()), tuple((s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats)
 
 
-_loaded: dict[tuple[str, tuple[tuple[int, int], ...]], SparseAutoencoder] = {}
-
-
-def _read(folder: str, where: str) -> SparseAutoencoder:
+def read_sae(folder: str | Path, where: str = "sae") -> SparseAutoencoder:
+    """The SAE in ``folder``, read now (no cache), with ``digest`` the sha256 of the very bytes
+    its tensors were built from: each file is read once, so a file rewritten meanwhile cannot
+    give tensors of one version and the digest of another."""
     from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors.torch import load
 
     path = Path(folder)
     try:
-        config = json.loads((path / CONFIG).read_text())
+        config_bytes = (path / CONFIG).read_bytes()
+        config = json.loads(config_bytes)
+    except RecursionError:
+        raise SpecError(f"{where}: {path / CONFIG} nests too deeply to be an SAE config") from None
     except (OSError, ValueError) as err:
         raise SpecError(f"{where}: cannot read {path / CONFIG}: {err}") from err
     if not isinstance(config, dict):
@@ -153,10 +196,18 @@ def _read(folder: str, where: str) -> SparseAutoencoder:
     d_in, d_sae = config.get("d_in"), config.get("d_sae")
     if not all(isinstance(v, int) and not isinstance(v, bool) and 0 < v <= MAX_FEATURE + 1 for v in (d_in, d_sae)):
         raise SpecError(f"{where}: {path / CONFIG}: d_in and d_sae must be whole numbers within 1 and 2**24")
+    flags = {name: config.get(name, default) for name, default in BOOLEAN_FIELDS.items()}
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise SpecError(f"{where}: {path / CONFIG}: {name} must be true or false (JSON booleans), got {value!r}")
     try:
-        weights = load_file(str(path / WEIGHTS))
+        weight_bytes = (path / WEIGHTS).read_bytes()
+        weights = load(weight_bytes)
     except (OSError, SafetensorError) as err:
         raise SpecError(f"{where}: cannot read {path / WEIGHTS}: {err}") from err
+    digest = hashlib.sha256(config_bytes)
+    digest.update(weight_bytes)
+    del weight_bytes
     shapes = {"W_enc": (d_in, d_sae), "b_enc": (d_sae,), "W_dec": (d_sae, d_in), "b_dec": (d_in,)}
     if architecture == "jumprelu":
         shapes["threshold"] = (d_sae,)
@@ -189,8 +240,8 @@ def _read(folder: str, where: str) -> SparseAutoencoder:
         d_sae=d_sae,
         threshold=tensors.get("threshold"),
         k=k,
-        apply_b_dec_to_input=bool(config.get("apply_b_dec_to_input", True)),
-        rescale_acts_by_decoder_norm=bool(config.get("rescale_acts_by_decoder_norm", False)),
+        digest=digest.hexdigest(),
+        **flags,
         **{name: tensors[name] for name in ("W_enc", "b_enc", "W_dec", "b_dec")},
     )
 
