@@ -321,3 +321,137 @@ def test_fuzzed_specs_never_break_the_engine(tiny_engine, baseline):
     one_batch()
     print(f"\nfuzz: {outcomes} in {time.monotonic() - started:.0f} s")
     assert outcomes["refused"] > 0 and outcomes["served"] + outcomes["failed alone"] > 0, outcomes
+
+
+# -- threads and files that change under the engine ---------------------------------------------
+
+
+def steered_spec(seed: int) -> dict:
+    vector = torch.randn(WIDTH, generator=torch.Generator().manual_seed(seed)).tolist()
+    return {
+        "interventions": [{"hook": "blocks.1.hook_resid_post", "vector": vector, "coef": 3.0}],
+        "capture": {"hooks": ["blocks.2.hook_resid_post"], "reduce": "mean"},
+    }
+
+
+def test_eight_threads_calling_one_engine_each_get_their_own_answers(tiny_engine, baseline):
+    """Two threads calling ``Engine.generate`` at once used to abort the Python process (a
+    libzmq assertion); now calls run one after another and each gets its own results."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    prompts = [f"{KNOWN_PROMPT} {word}" for word in ("a", "b", "c", "d", "e", "f", "g", "h")]
+    solo = [tiny_engine.generate(p, specs=[steered_spec(i)], max_tokens=5)[0] for i, p in enumerate(prompts)]
+    with ThreadPoolExecutor(8) as pool:
+        together = list(
+            pool.map(lambda i: tiny_engine.generate(prompts[i], specs=[steered_spec(i)], max_tokens=5)[0], range(8))
+        )
+    for alone, threaded in zip(solo, together, strict=True):
+        assert threaded.token_ids == alone.token_ids
+        assert torch.equal(
+            threaded.activations["blocks.2.hook_resid_post"], alone.activations["blocks.2.hook_resid_post"]
+        )
+    assert_engine_serves_the_known_request(tiny_engine, baseline)
+
+
+def write_sae(folder, d_in: int, seed: int) -> None:
+    """A ReLU SAE in SAELens' format, written by hand (no sae-lens needed)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    folder.mkdir(exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    shapes = {"W_enc": (d_in, 16), "b_enc": (16,), "W_dec": (16, d_in), "b_dec": (d_in,)}
+    save_file(
+        {k: torch.randn(s, generator=generator) for k, s in shapes.items()}, str(folder / "sae_weights.safetensors")
+    )
+    config = {
+        "architecture": "standard",
+        "d_in": d_in,
+        "d_sae": 16,
+        "metadata": {"hook_name": "blocks.1.hook_resid_post"},
+    }
+    (folder / "cfg.json").write_text(json.dumps(config))
+
+
+def test_fuzzed_threads_and_files_changing_under_the_engine(tiny_engine, baseline, tmp_path):
+    """Four threads call the engine with steering by a vector file and SAE captures of a folder
+    while a fifth rewrites both at random (another width, NaN, garbage, removed, another SAE):
+    every call gets finite results or fails by name, its known neighbour's answer never changes,
+    and the engine serves the known request afterwards."""
+    import random
+    import threading
+
+    from safetensors.torch import save_file
+
+    from inspect_tl_vllm import SpecError
+    from inspect_tl_vllm.engine.frontend import CaptureResult, SteeringNotApplied
+
+    vector_file, sae_dir = tmp_path / "vec.safetensors", tmp_path / "sae"
+    save_file({"v": torch.ones(WIDTH)}, str(vector_file))
+    write_sae(sae_dir, WIDTH, 0)
+    stop = threading.Event()
+    outcomes: dict[str, int] = {"served": 0, "refused": 0, "failed alone": 0}
+    errors: list[BaseException] = []
+
+    def rewrite_files() -> None:
+        chaos = random.Random(1)
+        while not stop.is_set():
+            choice = chaos.choice([0, 0, 0, 1, 2, 3, 4, 4, 4, 5])  # valid files most of the time
+            if choice == 0:
+                save_file({"v": torch.randn(WIDTH)}, str(vector_file))
+            elif choice == 1:
+                save_file({"v": torch.randn(WIDTH // 2)}, str(vector_file))
+            elif choice == 2:
+                save_file({"v": torch.full((WIDTH,), float("nan"))}, str(vector_file))
+            elif choice == 3:
+                vector_file.write_bytes(chaos.randbytes(64))
+            elif choice == 4:
+                write_sae(sae_dir, chaos.choice([WIDTH, WIDTH // 2]), chaos.randrange(100))
+            else:
+                (sae_dir / "sae_weights.safetensors").write_bytes(chaos.randbytes(100))
+            time.sleep(chaos.uniform(0.0, 0.05))
+
+    def call(worker: int) -> None:
+        rng = random.Random(worker)
+        for _ in range(5):
+            spec = rng.choice(
+                [
+                    {"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": f"{vector_file}:v"}]},
+                    {"capture": {"sae": str(sae_dir), "top_k": 4, "reduce": rng.choice(["none", "mean"])}},
+                ]
+            )
+            try:
+                hostile, known = tiny_engine.generate(
+                    [KNOWN_PROMPT, KNOWN_PROMPT], specs=[spec, KNOWN_SPEC], max_tokens=4, strict=False
+                )
+            except SpecError:
+                outcomes["refused"] += 1
+                continue
+            except BaseException as err:  # reported by the main thread
+                errors.append(err)
+                return
+            try:
+                CaptureResult(hostile.receipt, hostile.activations, hostile.positions).check("prompt 0")
+                outcomes["served"] += 1
+            except SteeringNotApplied:
+                outcomes["failed alone"] += 1
+            if known.token_ids != baseline.token_ids[:4] or any(
+                not torch.equal(known.activations[hook], rows) for hook, rows in baseline.activations.items()
+            ):
+                errors.append(AssertionError("the known request's answer changed beside a hostile one"))
+
+    chaos_thread = threading.Thread(target=rewrite_files)
+    chaos_thread.start()
+    callers = [threading.Thread(target=call, args=(worker,)) for worker in range(4)]
+    for thread in callers:
+        thread.start()
+    for thread in callers:
+        thread.join(timeout=FUZZ_SECONDS)
+    stop.set()
+    chaos_thread.join()
+    assert not any(thread.is_alive() for thread in callers), "a caller hung"
+    assert not errors, errors
+    print(f"\nthreads and files: {outcomes}")
+    assert outcomes["served"] > 0 and outcomes["refused"] + outcomes["failed alone"] > 0, outcomes
+    assert_engine_serves_the_known_request(tiny_engine, baseline)

@@ -9,6 +9,7 @@ out[0].text, out[0].activations["blocks.6.hook_resid_post"], out[0].receipt
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,13 +48,19 @@ def _chunks(total: int, first: int = 8) -> list[tuple[int, int]]:
 
 
 class Engine:
-    """Offline instrumented engine: batches all prompts of a call into one vLLM run."""
+    """Offline instrumented engine: batches all prompts of a call into one vLLM run.
+
+    Safe to share between threads: calls run one after another.  ``vllm.LLM`` has one engine
+    client and waits for *all* its requests at the end of a call, so two calls at once would
+    mix their outputs (and its ZeroMQ socket aborts the process when two threads use it).
+    To batch prompts, pass them to one call."""
 
     def __init__(self, core: InstrumentedLLM) -> None:
         self.core = core
         self.llm = core.llm
         self.tokenizer = self.llm.get_tokenizer()
         self.last_timings: dict[str, float] = {}  # seconds per phase of the last generate() call
+        self._lock = threading.Lock()  # one call on the engine at a time (see the class docstring)
 
     @property
     def hidden_size(self) -> int:
@@ -91,6 +98,23 @@ class Engine:
         not load, a vector of the wrong width) aborts the requests already added.
         ``progress=True`` shows vLLM's progress bar over the requests.
         """
+        with self._lock:
+            return self._generate(
+                prompts, steering, capture, specs, max_tokens, temperature, strict, progress, sampling
+            )
+
+    def _generate(
+        self,
+        prompts: list[Prompt] | Prompt,
+        steering: list[Intervention | dict[str, Any]] | None,
+        capture: Capture | dict[str, Any] | None,
+        specs: list[RequestSpec | dict[str, Any] | None] | None,
+        max_tokens: int,
+        temperature: float,
+        strict: bool,
+        progress: bool,
+        sampling: dict[str, Any],
+    ) -> list[Generation]:
         single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], dict | int))
         prompts = [prompts] if single else prompts
         shared = parse_request_spec({"interventions": steering or [], "capture": capture}, "generate()")
@@ -162,7 +186,8 @@ class Engine:
         return self.llm.enqueue(inputs, params, use_tqdm=False)
 
     def status(self) -> dict[str, Any]:
-        return merge_status(self.llm.collective_rpc("tlvllm_status"))
+        with self._lock:
+            return merge_status(self.llm.collective_rpc("tlvllm_status"))
 
 
 def boot(model: str = "smollm2", *, instrument: Any = None, **engine_kwargs: Any) -> Engine:
