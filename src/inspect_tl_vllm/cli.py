@@ -83,15 +83,23 @@ def _import_vector(args: argparse.Namespace) -> int:
 
 
 def _key_values(items: list[str]) -> dict[str, object]:
-    """KEY=VALUE pairs with YAML values (as Inspect's -M and -T): true, 3, 0.5 or text."""
-    import yaml
+    """KEY=VALUE pairs with YAML values (as Inspect's -M and -T): true, 3, 0.5 or text. Read strictly
+    (``spec_files.parse_value``): 010, on or 1:30 are refused rather than read as 8, true or 90, and a
+    key given twice is refused rather than the last one winning."""
+    from inspect_tl_vllm.spec_files import parse_value
+    from inspect_tl_vllm.specs import SpecError
 
     pairs = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep:
             raise SystemExit(f"expected KEY=VALUE, got {item!r}")
-        pairs[key] = yaml.safe_load(value)
+        if key in pairs:
+            raise SystemExit(f"{key} is given twice ({key}={pairs[key]!r} and {item}); give it once")
+        try:
+            pairs[key] = parse_value(value, item)
+        except SpecError as err:
+            raise SystemExit(str(err)) from None
     return pairs
 
 

@@ -105,6 +105,10 @@ def _check_scope(value: str | list[int]) -> str | list[int]:
     return value
 
 
+StrictNumber = Annotated[float, Field(strict=True)]
+"""A number as written: an int or a float, never a string ("1.5") or a bool (true), which lax parsing
+would turn into 1.5 or 1.0 without a word (a spec's numbers come from YAML, JSON and Python alike)."""
+
 PositionScope = Annotated[
     Literal["all", "prompt", "generated"] | list[Annotated[int, Field(strict=True)]], AfterValidator(_check_scope)
 ]
@@ -157,7 +161,7 @@ class Intervention(BaseModel):
 
     hook: str = Field(description="Hook point, e.g. blocks.6.hook_resid_post")
     op: Literal["add", "scale", "set", "ablate", "clamp"] = "add"
-    vector: list[float] | str | None = Field(
+    vector: list[StrictNumber] | str | None = Field(
         default=None,
         description=f"Inline numbers or a file (.safetensors, .npy, .pt) as 'path' or 'path:key'; "
         f"entries finite and within +-{MAX_VECTOR_ENTRY:g}",
@@ -168,7 +172,7 @@ class Intervention(BaseModel):
     feature: int | None = Field(
         default=None, ge=0, le=MAX_FEATURE, strict=True, description=f"The SAE feature to steer, 0..{MAX_FEATURE}"
     )
-    coef: float = Field(default=1.0, description=f"Finite, within +-{MAX_COEF:g}")
+    coef: StrictNumber = Field(default=1.0, description=f"Finite, within +-{MAX_COEF:g}")
     positions: PositionScope = Field(
         default="all", description=f"'all', 'prompt', 'generated', or indices within +-{MAX_POSITION}"
     )
@@ -316,15 +320,15 @@ class InstrumentConfig(BaseModel):
         description="Hook points that requests may steer or capture; '*' stands for every layer, "
         "'all' for every hook point of every layer.",
     )
-    max_stack: Annotated[int, Field(ge=1, le=8)] = Field(
+    max_stack: Annotated[int, Field(ge=1, le=8, strict=True)] = Field(
         default=2, description="How many interventions one request may stack at one hook point"
     )
-    max_vectors: Annotated[int, Field(ge=1, le=1 << 16)] = Field(
+    max_vectors: Annotated[int, Field(ge=1, le=1 << 16, strict=True)] = Field(
         default=256,
         description="Capacity of the worker's vector bank (1..65536 rows of hidden size); vectors no live "
         "request uses are evicted to make room",
     )
-    capture_bytes_per_request: Annotated[int, Field(ge=1, le=1 << 40)] = Field(
+    capture_bytes_per_request: Annotated[int, Field(ge=1, le=1 << 40, strict=True)] = Field(
         default=1 << 30, description="Largest capture one request may produce (1 byte .. 1 TiB)"
     )
 

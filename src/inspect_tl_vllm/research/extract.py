@@ -9,10 +9,10 @@ exactly the space the engine steers.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
+from inspect_tl_vllm.spec_files import parse_json
 from inspect_tl_vllm.specs import SpecError
 from inspect_tl_vllm.vectors.files import write_vector_file
 
@@ -24,10 +24,7 @@ def read_pairs(path: Path) -> list[tuple[Any, Any]]:
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         if not line.strip():
             continue
-        try:
-            item = json.loads(line)
-        except ValueError as err:
-            raise SpecError(f"{path}:{number}: not valid JSON ({err})") from None
+        item = parse_json(line, str(path), first_line=number)  # strict: a key given twice is refused
         if not isinstance(item, dict) or "positive" not in item or "negative" not in item:
             raise SpecError(f"{path}:{number}: each line needs 'positive' and 'negative' (strings or chat messages)")
         for side in ("positive", "negative"):

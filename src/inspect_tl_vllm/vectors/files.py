@@ -10,7 +10,10 @@ import hashlib
 import json
 import pickle
 import re
+import stat
 import struct
+import threading
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -63,35 +66,94 @@ def split_vector_ref(ref: str) -> tuple[Path, str]:
     return Path(path_text).expanduser(), key
 
 
+VECTOR_CACHE_BYTES = 256 << 20
+"""How many bytes of vectors read from files stay in memory (least recently used first out)."""
+
+
+class _VectorCache:
+    """Vectors read from files, by (resolved path, key), each with the ``stat`` of its file when it was
+    read: a request naming the same vector costs a ``stat`` and a copy, not a read of the file, and a
+    file rewritten in any way (a new inode, size, mtime, or ctime, which even a rewrite that restores
+    its size and mtime changes) is read anew. Bounded by ``VECTOR_CACHE_BYTES``; locked, as requests
+    may be prepared on more than one thread."""
+
+    def __init__(self) -> None:
+        self._items: OrderedDict[tuple[str, str], tuple[tuple[int, ...], torch.Tensor]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, name: tuple[str, str], version: tuple[int, ...]) -> torch.Tensor | None:
+        with self._lock:
+            found = self._items.get(name)
+            if found is None or found[0] != version:
+                return None
+            self._items.move_to_end(name)
+            return found[1]
+
+    def put(self, name: tuple[str, str], version: tuple[int, ...], tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        with self._lock:
+            old = self._items.pop(name, None)
+            if old is not None:
+                self._bytes -= old[1].numel() * old[1].element_size()
+            if size > VECTOR_CACHE_BYTES:
+                return
+            self._items[name] = (version, tensor)
+            self._bytes += size
+            while self._bytes > VECTOR_CACHE_BYTES:
+                _, (_, evicted) = self._items.popitem(last=False)
+                self._bytes -= evicted.numel() * evicted.element_size()
+
+
+_CACHE = _VectorCache()
+
+
 def read_vector_file(ref: str, where: str = "vector") -> torch.Tensor:
-    """The tensor a vector reference names, as float32; a non-real tensor is refused rather than
-    cast (casting a complex tensor silently drops its imaginary part)."""
-    tensor = _read_tensor(ref, where)
-    if not isinstance(tensor, torch.Tensor):
-        raise SpecError(f"{where}: {ref} holds a {type(tensor).__name__}, not a tensor")
-    if tensor.is_complex() or tensor.dtype == torch.bool:
-        kind = str(tensor.dtype).removeprefix("torch.")
-        raise SpecError(f"{where}: {ref} holds a {kind} tensor; steering vectors are real numbers")
-    return tensor.float()
-
-
-def _read_tensor(ref: str, where: str) -> torch.Tensor:
+    """The tensor a vector reference names, as a float32 tensor of the caller's own (changing it changes
+    no cached copy); a non-real tensor is refused rather than cast (casting a complex tensor silently
+    drops its imaginary part). Read once per version of the file (``_VectorCache``)."""
     path, key = split_vector_ref(ref)
-    if not path.is_file():
+    try:
+        resolved = path.resolve()
+        info = resolved.stat()
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop
+        info = None
+    if info is None or not stat.S_ISREG(info.st_mode):
         raise SpecError(f"{where}: vector file {str(path)!r} not found")
+    name = (str(resolved), key)
+    version = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+    cached = _CACHE.get(name, version)
+    if cached is None:  # stat first, then read: what is cached is never older than the stat it is filed under
+        tensor = _read_tensor(path, key, where)
+        if not isinstance(tensor, torch.Tensor):
+            raise SpecError(f"{where}: {ref} holds a {type(tensor).__name__}, not a tensor")
+        if tensor.is_complex() or tensor.dtype == torch.bool:
+            kind = str(tensor.dtype).removeprefix("torch.")
+            raise SpecError(f"{where}: {ref} holds a {kind} tensor; steering vectors are real numbers")
+        # a copy of its own: safetensors' tensors are views of the file's mapping (they would change with
+        # the file, and a truncated file would end the process), and a tensor picked from a .pt file may
+        # share one storage with the rest of the file's tensors
+        cached = tensor.to(torch.float32, copy=True)
+        _CACHE.put(name, version, cached)
+    return cached.clone()
+
+
+def _read_tensor(path: Path, key: str, where: str) -> torch.Tensor:
+    """The tensor ``key`` names in ``path``. From a safetensors file only that tensor is read, however
+    large the file (a vector may be one tensor of a whole checkpoint)."""
     suffix = path.suffix.lower()
     try:
         if suffix == ".safetensors":
-            from safetensors.torch import load_file
+            from safetensors import safe_open
 
-            tensors = load_file(str(path))
-            return _pick(tensors, key, path, where)
+            with safe_open(str(path), framework="pt") as handle:
+                return handle.get_tensor(_pick(list(handle.keys()), key, path, where))
         if suffix == ".npy":
             return torch.from_numpy(_load_npy(path, where))
         if suffix in (".pt", ".pth"):
             loaded = _load_pt(path, where)
             if isinstance(loaded, dict):
-                return _pick(loaded, key, path, where)
+                return loaded[_pick(list(loaded), key, path, where)]
             if not isinstance(loaded, torch.Tensor):
                 raise SpecError(f"{where}: {path} holds a {type(loaded).__name__}, not a tensor")
             return loaded
@@ -128,14 +190,21 @@ def _load_pt(path: Path, where: str) -> object:
         ) from None
 
 
-def _pick(tensors: dict[str, torch.Tensor], key: str, path: Path, where: str) -> torch.Tensor:
+def _pick(keys: list[str], key: str, path: Path, where: str) -> str:
+    """The key to read: ``key`` if the file has it, else the file's only one."""
     if key:
-        if key not in tensors:
-            raise SpecError(f"{where}: {path} has no tensor {key!r}; it has {sorted(tensors)}")
-        return tensors[key]
-    if len(tensors) != 1:
-        raise SpecError(f"{where}: {path} holds {len(tensors)} tensors {sorted(tensors)}; name one as 'path:key'")
-    return next(iter(tensors.values()))
+        if key not in keys:
+            raise SpecError(f"{where}: {path} has no tensor {key!r}; it has {_some(keys)}")
+        return key
+    if len(keys) != 1:
+        raise SpecError(f"{where}: {path} holds {len(keys)} tensors {_some(keys)}; name one as 'path:key'")
+    return keys[0]
+
+
+def _some(keys: list[str], shown: int = 20) -> str:
+    """A checkpoint's keys for a message: a whole model's hundreds would bury the error."""
+    names = sorted(keys)
+    return str(names) if len(names) <= shown else f"{names[:shown]} and {len(names) - shown} more"
 
 
 def vector_hash(vector: torch.Tensor) -> str:
