@@ -51,6 +51,34 @@ class PreparedRequest:
     spec: RequestSpec
     holds_vectors: bool = False  # counted among the users of its vectors in the bank (``Instrumentation.hold``)
 
+    def applied(self) -> dict[str, Any]:
+        """What this request applies, as a log keeps it: per intervention its label, coef and
+        positions, and its vector's content hash and norm (as applied: ablate's direction is
+        normalised); the capture's hook points, positions and reduction, and an SAE's folder and
+        digest.  With these a log tells two runs apart after a vector file was overwritten."""
+        interventions = [
+            {
+                "label": item.label,
+                "coef": item.coef,
+                "positions": item.positions,
+                "vector": item.vector,
+                "vector_norm": None if item.vector is None else float(self.vectors[item.vector].double().norm()),
+            }
+            for item in self.wire.steer
+        ]
+        capture = self.wire.capture
+        if capture is None:
+            return {"interventions": interventions, "capture": None}
+        described: dict[str, Any] = {
+            "hooks": [hook for hook, _ in capture.hooks],
+            "positions": capture.positions,
+            "reduce": capture.features.reduce if capture.features is not None else capture.reduce,
+            "dtype": capture.dtype,
+        }
+        if capture.features is not None:
+            described.update(sae=capture.features.sae, sae_digest=capture.features.digest)
+        return {"interventions": interventions, "capture": described}
+
 
 @dataclass
 class VectorUpload:

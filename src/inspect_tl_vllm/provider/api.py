@@ -38,7 +38,7 @@ from inspect_tl_vllm.provider import carry_over as _carry_over  # noqa: F401 (re
 from inspect_tl_vllm.provider.active import ActiveSample, active_sample
 from inspect_tl_vllm.provider.engine_pool import EngineThread, shared_engine
 from inspect_tl_vllm.provider.model_args import parse_model_args
-from inspect_tl_vllm.provider.sample_spec import METADATA_KEY
+from inspect_tl_vllm.provider.sample_spec import FILES_KEY, METADATA_KEY, named_file_digests
 from inspect_tl_vllm.provider.sampling_extras import sampling_extras
 from inspect_tl_vllm.provider.tool_calls import parse_tool_calls
 from inspect_tl_vllm.specs import TAG, RequestSpec, SpecError, parse_request_spec
@@ -69,9 +69,6 @@ class TLVLLMAPI(ModelAPI):
             config.max_connections = DEFAULT_CONNECTIONS
         self.settings = parse_model_args(model_args)
         self.model_path = resolve_model(model_name)
-        # Inspect's output cache keys on base_url: make it name the run-wide steering, so a
-        # cached unsteered answer is never returned for a steered run or the reverse.
-        self.base_url = f"tl-vllm:{self.settings.fingerprint(self.model_path)}"
         engine_kwargs = cpu_defaults(self.settings.engine)
         self.engine_thread = shared_engine(
             self.settings.engine_key(self.model_path),
@@ -87,6 +84,18 @@ class TLVLLMAPI(ModelAPI):
             template = Path(template).expanduser().read_text()
         self.chat_template = template
         self._writable_dirs: set[Folder] = set()
+
+    @property
+    def base_url(self) -> str | None:  # type: ignore[override]
+        """Inspect's output cache keys on this, read at every call: it names the run-wide steering
+        and the contents of the files it names as they are now, so a cached answer is never
+        returned for other steering, or for a vector file overwritten since."""
+        settings: Any = self.__dict__.get("settings")
+        return None if settings is None else f"tl-vllm:{settings.fingerprint(self.model_path)}"
+
+    @base_url.setter
+    def base_url(self, value: str | None) -> None:
+        """``ModelAPI.__init__`` assigns its ``base_url`` argument; tl-vllm serves no URL and derives its own."""
 
     def max_connections(self) -> int:
         return DEFAULT_CONNECTIONS  # continuous batching: many samples in flight at once
@@ -193,6 +202,11 @@ class TLVLLMAPI(ModelAPI):
             raise SpecError(
                 f"{where}: Sample.metadata[{TAG!r}] did not reach the request: the tl-vllm hook "
                 "'tl_vllm_sample_steering' that carries it (and keys Inspect's cache on it) is not active"
+            )
+        if FILES_KEY in extra and named_file_digests(extra) != extra[FILES_KEY]:
+            raise SpecError(
+                f"{where}: a vector file or SAE that this call's spec names changed after Inspect looked up its "
+                "cache for the call; rerun the sample, and keep such files unchanged while an eval runs"
             )
         spec = self.settings.run_spec
         if METADATA_KEY in extra:
@@ -376,7 +390,7 @@ class TLVLLMAPI(ModelAPI):
     def _record(
         self, result: CaptureResult, prepared: PreparedRequest, active: ActiveSample | None, where: str
     ) -> dict[str, Any]:
-        record: dict[str, Any] = {"receipt": result.receipt}
+        record: dict[str, Any] = {"receipt": result.receipt, "applied": prepared.applied()}
         if result.activations:
             summary = {
                 hook: {"shape": list(t.shape), "mean_norm": float(t.float().norm(dim=-1).mean())}

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from inspect_tl_vllm.engine.construct import check_engine_args
+from inspect_tl_vllm.spec_files import load_spec_file, parse_json
 from inspect_tl_vllm.specs import InstrumentConfig, RequestSpec, SpecError, parse_request_spec
 
 ENGINE_ARGS = (
@@ -62,46 +63,28 @@ class ProviderSettings:
         return json.dumps([model, self.engine, self.instrument.model_dump()], sort_keys=True, default=str)
 
     def fingerprint(self, model: str) -> str:
-        """Hash of the model, engine settings and run-wide spec, vector file contents included."""
-        spec = self.run_spec.model_dump()
-        for item in spec["interventions"]:
-            vector = item.get("vector")
-            if isinstance(vector, str):
-                from inspect_tl_vllm.vectors.files import split_vector_ref
+        """Hash of the model, engine settings and run-wide spec, with the contents of the files
+        the spec names as they are now (``vectors/digests.py``: a stat per file, a read only
+        when a file changed), so a call after a vector file was rewritten gets another key."""
+        from inspect_tl_vllm.vectors.digests import spec_file_digests
 
-                path, key = split_vector_ref(vector)
-                if path.is_file():
-                    item["vector"] = [hashlib.sha256(path.read_bytes()).hexdigest(), key]
-        for item in [*spec["interventions"], spec["capture"] or {}]:
-            if isinstance(item.get("sae"), str):  # an SAE's files, so that retraining it changes the key
-                from inspect_tl_vllm.vectors.sae import CONFIG, WEIGHTS
-
-                folder = Path(item["sae"]).expanduser()
-                files = [folder / CONFIG, folder / WEIGHTS]
-                item["sae"] = [hashlib.sha256(f.read_bytes()).hexdigest() if f.is_file() else None for f in files]
+        spec = [self.run_spec.model_dump(), spec_file_digests(self.run_spec)]
         text = json.dumps([self.engine_key(model), spec], sort_keys=True, default=str)
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _load_structured(value: str, name: str) -> Any:
+    """Inline JSON or a .yaml/.json file, read strictly (``spec_files``: no key twice, no YAML 1.1 misreadings)."""
     text = value.strip()
     if text.startswith(("{", "[")):
-        try:
-            return json.loads(text)
-        except ValueError as err:
-            raise SpecError(f"-M {name}: not valid JSON: {err}") from None
+        return parse_json(text, f"-M {name} (inline JSON)")
     path = Path(text).expanduser()
     if not path.is_file():
         raise SpecError(f"-M {name}={value!r}: no such file; give a .yaml/.json spec file or inline JSON")
     try:
-        if path.suffix.lower() in (".yaml", ".yml"):
-            import yaml
-
-            loaded = yaml.safe_load(path.read_text())
-        else:
-            loaded = json.loads(path.read_text())
-    except Exception as err:  # OSError, JSON and YAML errors alike
-        raise SpecError(f"-M {name}: cannot parse {path}: {err}") from None
+        loaded = load_spec_file(path)
+    except SpecError as err:  # it names the file and line; say which argument named the file
+        raise SpecError(f"-M {name}: {err}") from None
     return _relative_vectors(loaded, path.parent)
 
 
@@ -173,11 +156,34 @@ def parse_model_args(args: dict[str, Any]) -> ProviderSettings:
         engine,
         instrument,
         spec,
-        args.get("activations_dir"),
+        _activations_dir(args.get("activations_dir")),
         _shard_mb(args.get("activations_shard_mb")),
         args.get("chat_template"),
         boot,
     )
+
+
+def _activations_dir(value: Any) -> str | None:
+    """``-M activations_dir``: a folder's path or a store's URL that outlives this process, or absent.
+    Readers (``activations.load``, ``tl-vllm activations``) and eval-retry run in other processes, so
+    an in-memory store would take the activations with it when the eval ends."""
+    from inspect_tl_vllm.store.folders import in_memory
+
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise SpecError(
+            f"-M activations_dir={value!r}: give a folder's path or a store's URL (s3://bucket/acts); a folder "
+            "named like a number or a bool goes as ./NAME"
+        )
+    protocol = in_memory(value)
+    if protocol is not None:
+        raise SpecError(
+            f"-M activations_dir={value!r}: {protocol}:// is an in-memory store that ends with this process, so "
+            "no reader and no eval-retry could see the activations; give a local folder (-M activations_dir=DIR) "
+            "or a persistent store's URL (s3://, gs://, az://, ...)"
+        )
+    return value
 
 
 def _shard_mb(value: Any) -> int | None:

@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from inspect_tl_vllm.provider.sample_spec import METADATA_KEY
+from inspect_tl_vllm.provider.sample_spec import FILES_KEY, METADATA_KEY
 from inspect_tl_vllm.specs import TAG, SpecError, readable_error
 
 
@@ -31,7 +31,7 @@ class VLLMSamplingExtras(BaseModel):
 
 def sampling_extras(extra_body: dict[str, Any] | None, where: str) -> dict[str, Any]:
     """The ``SamplingParams`` keyword arguments that ``extra_body`` sets (tl-vllm's own keys aside)."""
-    given = {key: value for key, value in (extra_body or {}).items() if key not in (TAG, METADATA_KEY)}
+    given = {key: value for key, value in (extra_body or {}).items() if key not in (TAG, METADATA_KEY, FILES_KEY)}
     unknown = sorted(set(given) - set(VLLMSamplingExtras.model_fields))
     if unknown:
         raise SpecError(
