@@ -185,9 +185,12 @@ def test_cache_key_names_the_run_wide_steering(provider_args, tiny_llama_dir, tm
     spec = f'{{"interventions": [{{"hook": "blocks.1.hook_resid_post", "vector": "{vector}"}}]}}'
     plain = TLVLLMAPI(str(tiny_llama_dir), **provider_args)
     steered = TLVLLMAPI(str(tiny_llama_dir), **{**provider_args, "steer": spec})
-    assert plain.base_url != steered.base_url
+    before = steered.base_url
+    assert plain.base_url != before and steered.base_url == before
     np.save(vector, np.full(64, 2.0, dtype=np.float32))
-    assert TLVLLMAPI(str(tiny_llama_dir), **{**provider_args, "steer": spec}).base_url != steered.base_url
+    # the same model instance: base_url is derived at every call, from the file as it is now
+    assert steered.base_url != before
+    assert TLVLLMAPI(str(tiny_llama_dir), **{**provider_args, "steer": spec}).base_url == steered.base_url
 
 
 def test_inspect_eval_command_line(vllm_ready, tiny_llama_dir, tmp_path):
