@@ -97,6 +97,7 @@ def run_checks(args: argparse.Namespace, summary: dict, failures: list[str], tol
     )
     summary["boot_compiled_s"] = round(time.time() - t0, 1)
     config = compiled.llm.llm_engine.vllm_config
+    summary["model_runner"] = compiled.status()["runner"]  # V1, or V2 under VLLM_USE_V2_MODEL_RUNNER=1
     summary["async_scheduling"] = bool(config.scheduler_config.async_scheduling)
     summary["cudagraph_mode"] = str(config.compilation_config.cudagraph_mode)
     summary["compilation_mode"] = str(config.compilation_config.mode)

@@ -209,19 +209,19 @@ def test_an_unsupported_vllm_is_left_untouched_and_refused_at_construction(monke
     assert gpu_worker.Worker.load_model is not load_model  # the check above could fail
 
 
-def test_a_model_runner_other_than_v1_is_refused_by_name() -> None:
-    """vLLM 0.32+ picks its V2 model runner on CUDA by default; the construction keeps V1, and a
-    worker that got another runner anyway fails at load, naming it and the fix."""
+def test_a_model_runner_tl_vllm_does_not_know_is_refused_by_name() -> None:
+    """A worker whose runner is neither of vLLM's (no V1 ``_preprocess`` and batch, no V2
+    ``prepare_inputs`` and request states) fails at load, naming the runner."""
     from types import SimpleNamespace
 
     from inspect_tl_vllm.engine.worker import attach
 
-    class GPUModelRunner:  # what a V2 runner lacks: the V1 batch layout and _preprocess
+    class GPUModelRunner:
         pass
 
     worker = SimpleNamespace(
         vllm_config=SimpleNamespace(additional_config={"tlvllm": {}}), model_runner=GPUModelRunner()
     )
-    with pytest.raises(RuntimeError, match=r"GPUModelRunner is not vLLM's V1 model runner.*VLLM_USE_V2_MODEL_RUNNER=0"):
+    with pytest.raises(RuntimeError, match=r"GPUModelRunner is neither of the vLLM model runners tl-vllm instruments"):
         attach(worker)
     assert not hasattr(worker, "_tlvllm")

@@ -85,6 +85,7 @@ def test_tensor_parallel_ranks_that_record_nothing_are_skipped():
 
 def status(collects: bool, sites: list[str], steps: int) -> dict:
     return WorkerStatus(
+        runner="V1",
         sites=sites,
         fired=[steps] * len(sites),
         buffer_bytes=100,
@@ -105,7 +106,7 @@ def status(collects: bool, sites: list[str], steps: int) -> dict:
 
 def test_worker_statuses_merge_recording_ranks_and_total_the_rest():
     merged = merge_status([status(True, ["a", "b"], 5), status(False, ["a", "b"], 7)])
-    assert merged["sites"] == ["a", "b"] and merged["fired"] == [5, 5]
+    assert merged["sites"] == ["a", "b"] and merged["fired"] == [5, 5] and merged["runner"] == "V1"
     assert (merged["buffer_bytes"], merged["pending_results"], merged["steps"], merged["workers"]) == (200, 1, 7, 2)
     assert merged["host_seconds"] == {"route": 0.5}
     assert merged["step_kinds"] == {"new_batch": 1, "same_batch": 0, "repeated": 4}

@@ -120,6 +120,7 @@ class FetchedResult(Message):
 
 
 class WorkerStatus(Message):
+    runner: str  # the vLLM model runner instrumented: V1 or V2
     sites: list[str]
     fired: list[int]
     buffer_bytes: int

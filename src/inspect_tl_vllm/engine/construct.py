@@ -24,6 +24,7 @@ REFUSED = {
     "enable_dbo": "dual-batch overlap splits each step into micro-batches with their own token order",
     "ubatch_size": "micro-batching splits each step with its own token order",
     "kv_sharing_fast_prefill": "fast prefill skips rows of some layers, so captures would come back short",
+    "prefill_context_parallel_size": "prefill context parallelism splits a step's rows between ranks",
     "worker_extension_cls": "tl-vllm installs its own worker extension",
     "data_parallel_size": (
         "vLLM's data-parallel client returns a worker call's answer from the first replica only, so "
@@ -31,7 +32,7 @@ REFUSED = {
         "(or tensor/pipeline parallel) instead"
     ),
 }
-ONE_IS_FINE = {"ubatch_size", "data_parallel_size"}
+ONE_IS_FINE = {"ubatch_size", "data_parallel_size", "prefill_context_parallel_size"}
 
 
 @dataclass
@@ -77,8 +78,6 @@ def check_engine_args(engine_kwargs: dict[str, Any]) -> None:
             "instrument=InstrumentConfig(...) (Python) or -M hook_points/max_stack/max_vectors/"
             "capture_bytes_per_request (Inspect) instead"
         )
-    if os.environ.get("VLLM_USE_V2_MODEL_RUNNER", "0").lower() not in ("", "0", "false"):
-        raise SpecError("VLLM_USE_V2_MODEL_RUNNER=1 is not supported: tl-vllm instruments vLLM's V1 model runner")
     plugins = os.environ.get("VLLM_PLUGINS")
     if plugins is not None and "inspect_tl_vllm" not in plugins.split(","):
         raise SpecError(f"VLLM_PLUGINS={plugins!r} excludes 'inspect_tl_vllm', so workers would not be instrumented")
@@ -106,8 +105,6 @@ def construct_instrumented_llm(
         raise RuntimeError(reason)
     settings = instrument if isinstance(instrument, InstrumentConfig) else InstrumentConfig(**(instrument or {}))
     check_engine_args(engine_kwargs)
-    # vLLM >= 0.32 picks Model Runner V2 by default wherever Triton runs (CUDA): keep the V1 runner.
-    os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     model_path = resolve_model(model)
     instrumentation = Instrumentation(model_config(model_path, model), settings)
     extra = {**(engine_kwargs.pop("additional_config", None) or {}), **additional_config(settings)}

@@ -459,6 +459,7 @@ def merge_status(per_worker: list[Any]) -> dict[str, Any]:
         return values[0] if len(values) == 1 else values
 
     return {
+        "runner": workers[0].runner,
         "sites": [name for status in recording for name in status.sites],
         "fired": [count for status in recording for count in status.fired],
         "buffer_bytes": sum(status.buffer_bytes for status in workers),

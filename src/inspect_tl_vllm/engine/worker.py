@@ -28,6 +28,7 @@ import torch
 
 from inspect_tl_vllm.engine.handoff import shared_folder
 from inspect_tl_vllm.engine.packing import ResultPacker, early_writes
+from inspect_tl_vllm.engine.runners import NewRequest, StepLayout, V1Runner, V2Runner, new_requests, runner_for
 from inspect_tl_vllm.engine.sae_encoders import SaeEncoders
 from inspect_tl_vllm.engine.telemetry import GC_TIMER, HostTimer, pinned_host_stats
 from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, layout_for
@@ -48,7 +49,8 @@ class Controller:
     residual stream after the all-reduce) and only rank 0 records captures and receipts.
     """
 
-    def __init__(self, runner: Any, settings: dict[str, Any]) -> None:
+    def __init__(self, adapter: V1Runner | V2Runner, settings: dict[str, Any]) -> None:
+        runner = adapter.runner
         model = runner.get_model()
         hf_config = runner.model_config.hf_text_config
         architecture = runner.model_config.architectures[0]
@@ -78,7 +80,7 @@ class Controller:
             collect=_tensor_parallel_rank() == 0,
             on_capture_complete=self.packer.write_early if early_writes() else None,
         )
-        self.runner = runner
+        self.adapter = adapter
         self.bank_rows: dict[str, int] = {}  # vector hash -> row of the bank
         # Unused rows, lowest last (pop() gives it); row 0 is the zero vector and never given out.
         self.free_rows: list[int] = list(range(int(settings["max_vectors"]), 0, -1))
@@ -90,41 +92,34 @@ class Controller:
         self.resumed = 0  # instrumented requests resumed after preemption (their rows are recomputed)
         self._last_batch: tuple[list[RequestState], list[str], np.ndarray] | None = None
         log.info(
-            "tl-vllm: %d of %d hook sites on this worker (%s), %.1f MiB of buffers",
+            "tl-vllm: %d of %d hook sites on this worker (%s, model runner %s), %.1f MiB of buffers",
             len(self.sites),
             len(every_site),
             architecture,
+            adapter.name,
             self.runtime.memory_bytes() / 2**20,
         )
 
     # -- per step -------------------------------------------------------------------------
-    def before_forward(self, scheduler_output: Any) -> None:
+    def before_forward(self, scheduler_output: Any, layout: StepLayout) -> None:
         """Route the step: only instrumented requests are looked at, so plain traffic costs nothing."""
         started = self.host_time.start()
-        for new in scheduler_output.scheduled_new_reqs:
-            self._register(new.req_id)
-        self.resumed += len(self.live.keys() & scheduler_output.scheduled_cached_reqs.resumed_req_ids)
-        runner = self.runner
-        rows = scheduler_output.total_num_scheduled_tokens
-        self.router.begin_step(
-            self._batch_index(),
-            runner.query_start_loc.np[: runner.input_batch.num_reqs + 1],
-            runner.input_batch.num_computed_tokens_cpu,
-            (runner.req_indices.gpu[:rows], runner.positions[:rows]),
-        )
+        self.resumed += self.adapter.resumed(scheduler_output, self.live)
+        for new in new_requests(scheduler_output):
+            self._register(new)
+        self.router.begin_step(self._batch_index(layout), layout.query_start, layout.computed, layout.rows)
         self.steps += 1
         self.host_time.add("route", started)
 
-    def _batch_index(self) -> np.ndarray:
+    def _batch_index(self, layout: StepLayout) -> np.ndarray:
         """Per live request (``router.states``), its index in vLLM's batch (-1: not scheduled).
 
         Looked up again only when the batch's membership or order, or the live requests, changed."""
-        batch = self.runner.input_batch
         states = self.router.states
-        if self._last_batch is not None and self._last_batch[0] is states and self._last_batch[1] == batch.req_ids:
+        if self._last_batch is not None and self._last_batch[0] is states and self._last_batch[1] == layout.req_ids:
             return self._last_batch[2]
-        batch_index = batch_indices(states, batch.req_id_to_index)
-        self._last_batch = (states, list(batch.req_ids), batch_index)
+        batch_index = batch_indices(states, layout.index_of)
+        self._last_batch = (states, list(layout.req_ids), batch_index)
         return batch_index
 
     def retire_finished(self, scheduler_output: Any) -> None:
@@ -144,18 +139,16 @@ class Controller:
         self.router.end_step()
         self.host_time.add("harvest", started)
 
-    def _register(self, req_id: str) -> None:
-        if req_id in self.live:  # a preempted request sent again: keep what it has captured so far
+    def _register(self, new: NewRequest) -> None:
+        if new.req_id in self.live:  # a preempted request sent again: keep what it has captured so far
             return
-        request = self.runner.requests[req_id]
-        params = request.sampling_params
-        raw = (params.extra_args or {}).get(TAG) if params is not None else None
+        raw = (new.extra_args or {}).get(TAG)
         if not raw:
             return
         try:
             state = plan_request(
                 RequestWire.decode(raw),
-                request.num_prompt_tokens,
+                new.prompt_len,
                 self.bank_rows,
                 self.every_site,
                 self.runtime.max_stack,
@@ -165,10 +158,10 @@ class Controller:
                 state.encoder = self.encoders.encoder(state.features.sae, state.features.digest)
         except Exception as err:  # this request fails, alone: the step loop and every other request go on
             uid = str(raw.get("uid", "")) if isinstance(raw, dict) else ""
-            state = RequestState(uid=uid, prompt_len=request.num_prompt_tokens, steer=[], capture=[])
+            state = RequestState(uid=uid, prompt_len=new.prompt_len, steer=[], capture=[])
             state.error = f"instrumentation refused this request: {type(err).__name__}: {err}"
-        state.req_id = req_id
-        self.live[req_id] = state
+        state.req_id = new.req_id
+        self.live[new.req_id] = state
         self.router.admit(state)
         if self.router.collect:
             self.results[state.uid] = state
@@ -219,6 +212,7 @@ class Controller:
         steered, self.router.max_requests_steered_in_one_step = self.router.max_requests_steered_in_one_step, 0
         fired = self.runtime.fired()
         return WorkerStatus(
+            runner=self.adapter.name,
             sites=[site.name for site in self.sites],
             fired=[fired[site.index] for site in self.sites],
             buffer_bytes=self.runtime.memory_bytes(),
@@ -268,12 +262,8 @@ def attach(worker: Any) -> None:
     if settings is None:
         return
     runner = worker.model_runner
-    if not (hasattr(runner, "_preprocess") and hasattr(runner, "input_batch")):
-        raise RuntimeError(
-            f"tl-vllm: {type(runner).__module__}.{type(runner).__name__} is not vLLM's V1 model runner, "
-            "the one tl-vllm instruments (set VLLM_USE_V2_MODEL_RUNNER=0)"
-        )
-    controller = Controller(runner, settings)
+    adapter = runner_for(runner)
+    controller = Controller(adapter, settings)
     worker._tlvllm = controller
     # vLLM sizes the KV cache as the memory budget minus the weights (measured while the
     # model loads, before these buffers exist) and the profile run's peak *increase* (taken
@@ -281,23 +271,7 @@ def attach(worker: Any) -> None:
     # gpu_memory_utilization by their size.  Count them with the weights.
     if hasattr(runner, "model_memory_usage"):
         runner.model_memory_usage += controller.runtime.memory_bytes()
-
-    preprocess = runner._preprocess
-    execute = runner.execute_model
-
-    def _preprocess(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
-        controller.before_forward(scheduler_output)
-        return preprocess(scheduler_output, *args, **kwargs)
-
-    def execute_model(*args: Any, **kwargs: Any) -> Any:
-        controller.retire_finished(args[0] if args else kwargs["scheduler_output"])
-        try:
-            return execute(*args, **kwargs)
-        finally:
-            controller.after_forward()
-
-    runner._preprocess = _preprocess
-    runner.execute_model = execute_model
+    adapter.install(controller.retire_finished, controller.before_forward, controller.after_forward)
 
 
 def verify_hooks_fired(worker: Any) -> None:
