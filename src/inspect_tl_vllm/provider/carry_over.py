@@ -12,21 +12,23 @@ an index entry of its own: ``activations.load(<new log>)`` then returns every sa
 sample is generated or stored twice.
 
 A log is data that can be edited, so what it names is trusted only within bounds: a recorded folder
-must resolve below the folder holding the log or below the ``-M activations_dir`` root, and file
-names from its index must stay inside their folders (``Folder.file``). Anything else is
-skipped with a warning; carrying over never fails the eval.
+must resolve below the folder holding the log or below the ``-M activations_dir`` root (checked
+before anything contacts it: a log may name any host), and file names from its index must stay
+inside their folders (``Folder.file``). Anything else is skipped with a warning; so is a folder
+whose store fails or stops answering (``folders.REMOTE_TIMEOUT_S``). Carrying over never fails the
+eval, and a sample it cannot carry over is named in a warning.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
 
 from inspect_ai.hooks import Hooks, TaskEnd, hooks
 from inspect_ai.log import EvalLog, EvalSample
 
-from inspect_tl_vllm.specs import TAG
+from inspect_tl_vllm.specs import TAG, SpecError
 from inspect_tl_vllm.store.folders import Folder, is_url, local_path
 from inspect_tl_vllm.store.layout import (
     StoredFileError,
@@ -41,6 +43,7 @@ from inspect_tl_vllm.store.shards import close_writer, is_shard_entry, upload_sp
 
 logger = logging.getLogger(__name__)
 PROVIDER = "tl-vllm/"
+T = TypeVar("T")
 
 
 @hooks(
@@ -78,8 +81,14 @@ def carry_over(log: EvalLog) -> int:
     override = log.eval.model_args.get("activations_dir")
     directory = activations_dir_for(log.location, log.eval.eval_id, override)
     roots = _allowed_roots(log.location, override)
-    own = {(repr(e["sample_id"]), int(e["epoch"])): e.get("sample_uuid") for e in read_index(directory)}
-    candidates: dict[Folder, list[Folder]] = {}
+    try:
+        own = {(repr(e["sample_id"]), int(e["epoch"])): e.get("sample_uuid") for e in read_index(directory)}
+    except OSError as err:  # its store failed or does not answer: name every sample that may need its file
+        reused = [s for s in _samples(log) if any(f != directory for f, _ in _recorded_files(s, log.location))]
+        why = f"this eval's index could not be read ({err}); they stay in the earlier eval's folder, where "
+        _warn_left_out([_named(s) for s in reused], directory, why + "activations.load(<earlier log>) reads them")
+        return 0
+    candidates: dict[Folder, tuple[list[Folder], list[Folder]]] = {}
     indexes: dict[Folder, dict[tuple[Any, Any], dict[str, Any]]] = {}
     refused: set[Folder] = set()
     missing: list[str] = []
@@ -89,9 +98,10 @@ def carry_over(log: EvalLog) -> int:
         key = (repr(sample.id), int(sample.epoch))
         if key in own and own[key] in (None, sample.uuid):  # None: recorded where Inspect gave no uuid
             continue
-        found = _find_stored(sample, log.location, directory, roots, candidates, indexes, refused)
+        recorded = _recorded_files(sample, log.location)
+        found = _find_stored(sample, recorded, directory, roots, candidates, indexes, refused)
         if found is None:
-            missing += [f"sample {sample.id!r} epoch {sample.epoch}"] if _recorded_files(sample, log.location) else []
+            missing += [_named(sample)] if recorded else []
             continue
         source, entry = found
         owner = (sample.id, sample.epoch, sample.uuid)
@@ -102,7 +112,7 @@ def carry_over(log: EvalLog) -> int:
         try:
             link_sample(directory, eval_id=log.eval.eval_id, source=source, entry=entry, sample=owner)
         except (OSError, StoredFileError) as err:
-            logger.warning(f"tl-vllm: sample {sample.id!r} epoch {sample.epoch}: {err}")
+            logger.warning(f"tl-vllm: {_named(sample)}: {err}")
             continue
         own[key] = sample.uuid
         linked += 1
@@ -112,41 +122,67 @@ def carry_over(log: EvalLog) -> int:
         except (OSError, StoredFileError) as err:
             first = samples[0][1]
             logger.warning(f"tl-vllm: {len(samples)} samples from sample {first[0]!r} epoch {first[1]} on: {err}")
-    if missing:
-        logger.warning(
-            f"tl-vllm: {len(missing)} samples answered from an earlier eval (eval-retry or the cache) name "
-            f"activations that were not found where this log allows ({', '.join(missing[:3])}"
-            f"{', ...' if len(missing) > 3 else ''}); they are left out of {directory}. Keep the logs of runs "
-            "that reuse each other in one log dir, or use one -M activations_dir"
-        )
+    why = "their activations were not found where this log allows. Keep the logs of runs that reuse each other "
+    _warn_left_out(missing, directory, why + "in one log dir, or use one -M activations_dir")
     return linked
+
+
+def _named(sample: EvalSample) -> str:
+    return f"sample {sample.id!r} epoch {sample.epoch}"
+
+
+def _warn_left_out(samples: list[str], directory: Folder, why: str) -> None:
+    """One warning naming the samples (the first three) answered from an earlier eval whose
+    activations are not carried into ``directory``, and why."""
+    if samples:
+        logger.warning(
+            f"tl-vllm: {len(samples)} samples answered from an earlier eval (eval-retry or the cache) are left out "
+            f"of {directory} ({', '.join(samples[:3])}{', ...' if len(samples) > 3 else ''}): {why}"
+        )
 
 
 def _find_stored(
     sample: EvalSample,
-    log_location: str,
+    recorded: list[tuple[Folder, tuple[str, str]]],
     directory: Folder,
     roots: list[str],
-    candidates: dict[Folder, list[Folder]],
+    candidates: dict[Folder, tuple[list[Folder], list[Folder]]],
     indexes: dict[Folder, dict[tuple[Any, Any], dict[str, Any]]],
     refused: set[Folder],
 ) -> tuple[Folder, dict[str, Any]] | None:
-    """The folder and index entry of the file the sample's outputs name, in an allowed folder.
-    ``candidates`` and ``indexes`` keep, across the samples of one carry-over, each recorded
-    folder's candidates (found, and their spools uploaded, once) and each source's index."""
-    for folder, stored in _recorded_files(sample, log_location):
+    """The folder and index entry of a file the sample's outputs name (``recorded``), in an allowed
+    folder; when there is none, each folder refused for it is named in a warning. ``candidates``
+    and ``indexes`` keep, across the samples of one carry-over, each recorded folder's candidates
+    (checked and found, and their spools uploaded, once) and each source's index."""
+    outside: list[Folder] = []
+    for folder, stored in recorded:
         if folder not in candidates:
-            candidates[folder] = _candidates(folder, directory)
-        for source in candidates[folder]:
-            if not any(source.is_below(root) for root in roots):
-                _warn_refused(sample, source, roots, refused)
-                continue
+            candidates[folder] = _candidates(folder, directory, roots)
+        found, not_allowed = candidates[folder]
+        outside += not_allowed
+        for source in found:
             if source not in indexes:
-                indexes[source] = {(e.get("file"), e.get("sha256")): e for e in read_index(source)}
+                indexes[source] = _or_warn(source, _index_by_file, {})
             entry = indexes[source].get(stored)
             if entry is not None:
                 return source, entry
+    for folder in outside:
+        _warn_refused(sample, folder, roots, refused)
     return None
+
+
+def _index_by_file(source: Folder) -> dict[tuple[Any, Any], dict[str, Any]]:
+    return {(e.get("file"), e.get("sha256")): e for e in read_index(source)}
+
+
+def _or_warn(folder: Folder, look: Callable[[Folder], T], fallback: T) -> T:
+    """``look(folder)``, or ``fallback`` after a warning when ``folder``'s store fails or does not
+    answer: its samples then count as not found, and are named in the warning of those left out."""
+    try:
+        return look(folder)
+    except OSError as err:
+        logger.warning(f"tl-vllm: cannot look for activations in {folder} ({err}); passing over it")
+        return fallback
 
 
 def _allowed_roots(location: str, override: str | None) -> list[str]:
@@ -165,7 +201,7 @@ def _warn_refused(sample: EvalSample, folder: Folder, roots: list[str], refused:
     refused.add(folder)
     allowed = " or ".join(roots)
     logger.warning(
-        f"tl-vllm: sample {sample.id!r} epoch {sample.epoch}: not carrying activations over from {folder}: "
+        f"tl-vllm: {_named(sample)}: not carrying activations over from {folder}: "
         f"a folder recorded in the log must resolve below {allowed} (other samples naming it are skipped too); "
         "to carry them over, keep the earlier log's .activations folder beside the retried log or under that root"
     )
@@ -181,17 +217,26 @@ def _samples(log: EvalLog) -> Iterable[EvalSample]:
     return read_eval_log_samples(log.location, all_samples_required=False)
 
 
-def _candidates(folder: Folder, directory: Folder) -> list[Folder]:
-    """The recorded folder, then a folder of that name beside this one: logs moved together (or a
-    relative log dir retried from elsewhere) keep their activations. A name that is empty or ``..``
-    names no folder beside this one, so it gives no second candidate."""
+def _candidates(folder: Folder, directory: Folder, roots: list[str]) -> tuple[list[Folder], list[Folder]]:
+    """The folders that may hold a recorded folder's files, and those refused: the recorded folder,
+    then a folder of that name beside this one (logs moved together, or a relative log dir retried
+    from elsewhere, keep their activations). Each is checked against ``roots`` before anything
+    contacts it: a log may name any host, which must not be asked even whether the folder exists.
+    A name that is empty or ``..`` names no folder beside this one, so it gives no second candidate."""
     beside = [] if folder.name in ("", ".", "..") else [directory.sibling(folder.name)]
     found: list[Folder] = []
+    outside: list[Folder] = []
     for candidate in (folder, *beside):
-        upload_spooled(candidate)  # shards the run that wrote them (killed) left on this machine
-        if candidate.exists() and candidate not in (directory, *found):  # exists first: a symlink loop is no folder
+        if not any(candidate.is_below(root) for root in roots):  # is_below first: a symlink loop is below nothing
+            outside.append(candidate)
+        elif candidate not in (directory, *found) and _or_warn(candidate, _holds_files, False):
             found.append(candidate)
-    return found
+    return found, outside
+
+
+def _holds_files(candidate: Folder) -> bool:
+    upload_spooled(candidate)  # shards the run that wrote them (killed) left on this machine
+    return candidate.exists()
 
 
 def _recorded_files(sample: EvalSample, log_location: str) -> list[tuple[Folder, tuple[str, str]]]:
@@ -208,5 +253,8 @@ def _recorded_files(sample: EvalSample, log_location: str) -> list[tuple[Folder,
             continue  # a log can hold anything here
         if (folder, file, digest) not in seen:
             seen.add((folder, file, digest))
-            files.append((recorded_dir(folder, log_location), (file, digest)))
+            try:
+                files.append((recorded_dir(folder, log_location), (file, digest)))
+            except SpecError as err:  # a store fsspec cannot open
+                logger.warning(f"tl-vllm: {_named(sample)}: not carrying activations over from {folder!r}: {err}")
     return files

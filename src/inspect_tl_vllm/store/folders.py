@@ -14,7 +14,10 @@ folder; this module says how bytes get in and out, with each store's own guarant
   and uploaded.
 
 Names inside a folder come from ``layout.py`` or, when read back, from an index or a log; either
-way ``Folder.file`` accepts only a plain name that stays in the folder (``UnsafePathError``).
+way ``Folder.file`` accepts only a plain name that stays in the folder (``UnsafePathError``). Index
+lines are parsed and range-checked by ``store/entries.py``. A local file is read only when it is a
+regular file (a FIFO would make the reader wait forever), and a remote folder's listings and
+existence checks give up after ``REMOTE_TIMEOUT_S``.
 """
 
 from __future__ import annotations
@@ -25,14 +28,19 @@ import os
 import posixpath
 import re
 import shutil
+import stat
 import tempfile
 import uuid
 import warnings
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from inspect_tl_vllm.specs import SpecError
+from inspect_tl_vllm.store.entries import parse_entry
+
+T = TypeVar("T")
 
 INDEX = "index.jsonl"
 """The local index: one JSON line per stored file."""
@@ -40,6 +48,13 @@ REMOTE_INDEX = "index"
 """The remote index: a folder of one JSON object per stored file."""
 SHARDS = "shards"
 """The folder of shards (``store/shards.py``) inside an activations folder."""
+REMOTE_TIMEOUT_S = 60.0
+"""How long a remote folder's listing or existence check may take before it is given up on
+(``RemoteFolder._bounded``): a store that stopped answering must not hold a reader or eval-retry's
+carry-over for its client's own limits (five minutes for HTTP)."""
+IN_MEMORY = ("memory",)
+"""fsspec stores that keep their files in this process's memory, where no other process (a reader,
+``tl-vllm activations``, eval-retry) ever sees them."""
 
 _URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
@@ -60,6 +75,14 @@ def is_url(location: str) -> bool:
     return bool(url) and url.group(1).lower() != "file"
 
 
+def in_memory(location: str) -> str | None:
+    """The protocol of ``location`` when it names a store that lives in this process's memory
+    (``IN_MEMORY``), else ``None``."""
+    url = _URL.match(location)
+    protocol = url.group(1).lower() if url else None
+    return protocol if protocol in IN_MEMORY else None
+
+
 def local_path(location: str) -> str:
     """``location`` without a ``file://`` prefix."""
     url = _URL.match(location)
@@ -74,6 +97,23 @@ def folder_at(location: str | Path) -> Folder:
 
 def _plain_name(name: Any) -> bool:
     return isinstance(name, str) and name not in ("", ".", "..") and not any(c in name for c in ("/", "\\", "\0"))
+
+
+def open_regular(path: str | Path, where: str) -> int:
+    """A read-only descriptor of ``path``, refused (``StoredFileError`` naming ``where``) unless it is
+    a regular file: reading a FIFO would wait for a writer forever, and a device or a folder is no
+    stored file. The open itself does not wait (``O_NONBLOCK``, which a regular file ignores)."""
+    try:
+        descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        raise StoredFileError(f"{where}: cannot read {path} ({err.strerror or err})") from err
+    if not stat.S_ISREG(os.fstat(descriptor).st_mode):
+        os.close(descriptor)
+        raise StoredFileError(
+            f"{where}: {path} is not a regular file (a FIFO, a device or a folder), so it holds no stored "
+            "activations: restore the file, or delete its index line"
+        )
+    return descriptor
 
 
 def _refusal(folder: str, name: Any, where: str) -> UnsafePathError:
@@ -256,7 +296,8 @@ class LocalFolder(Folder):
     def read(self, name: str, where: str) -> bytes:
         path = self.file(name, where)
         try:
-            return Path(path).read_bytes()
+            with os.fdopen(open_regular(path, where), "rb") as handle:
+                return handle.read()
         except OSError as err:
             raise StoredFileError(f"{where}: cannot read {path} ({err.strerror or err})") from err
 
@@ -292,10 +333,15 @@ class LocalFolder(Folder):
 
     def entries(self) -> list[dict[str, Any]]:
         path = self.path / INDEX
-        if not path.is_file():
+        if not os.path.lexists(path):
+            return []
+        try:
+            blob = self.read(INDEX, self.location)
+        except StoredFileError as err:
+            warnings.warn(f"skipping an unreadable index: {err}", stacklevel=3)
             return []
         found = []
-        for number, line in enumerate(path.read_bytes().splitlines(), start=1):
+        for number, line in enumerate(blob.splitlines(), start=1):
             if line.strip():
                 # A torn line (power loss mid-append) must not hide every other sample's entry.
                 entry = parse_entry(line, f"{path}:{number}")
@@ -310,6 +356,7 @@ class LocalFolder(Folder):
             self.path.mkdir(parents=True, exist_ok=True)
             if isinstance(source, LocalFolder):
                 origin = source.file(name, where)
+                os.close(open_regular(origin, where))  # a FIFO or device carried over would fail every reader
                 try:
                     os.link(origin, tmp)
                 except OSError:
@@ -365,9 +412,24 @@ class RemoteFolder(Folder):
     def _path(self, name: str) -> str:
         return f"{self.root}/{name}"
 
+    def _bounded(self, call: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+        """``call(*args, **kwargs)``, a method of the store that moves no sample data, given up on
+        after ``REMOTE_TIMEOUT_S`` with a ``TimeoutError`` naming the folder. fsspec bounds the calls
+        of its asynchronous stores (S3, GCS, Azure, HTTP); a synchronous store's call is made as is."""
+        from fsspec.exceptions import FSTimeoutError
+
+        if not self.fs.async_impl:
+            return call(*args, **kwargs)
+        try:
+            return call(*args, timeout=REMOTE_TIMEOUT_S, **kwargs)
+        except FSTimeoutError as err:
+            raise TimeoutError(
+                f"activations folder {self.location}: the store did not answer within {REMOTE_TIMEOUT_S:g} s"
+            ) from err
+
     def exists(self) -> bool:
         self.fs.invalidate_cache(self.root)
-        return any(self.fs.exists(self._path(part)) for part in (REMOTE_INDEX, SHARDS))
+        return any(self._bounded(self.fs.exists, self._path(part)) for part in (REMOTE_INDEX, SHARDS))
 
     def sibling(self, name: str) -> Folder:
         return RemoteFolder(posixpath.join(posixpath.dirname(self.location), name))
@@ -417,7 +479,7 @@ class RemoteFolder(Folder):
         folder = self._path(REMOTE_INDEX)
         self.fs.invalidate_cache(folder)
         try:
-            paths = sorted(p for p in self.fs.find(folder) if p.endswith(".json"))
+            paths = sorted(p for p in self._bounded(self.fs.find, folder) if p.endswith(".json"))
         except FileNotFoundError:
             return []
         blobs = self.fs.cat(paths, on_error="return") if paths else {}  # a list: one dict, fetched concurrently
@@ -453,7 +515,7 @@ class RemoteFolder(Folder):
     def names(self, suffix: str) -> list[str]:
         self.fs.invalidate_cache(self.root)
         try:
-            found = self.fs.ls(self.root, detail=False)
+            found = self._bounded(self.fs.ls, self.root, detail=False)
         except FileNotFoundError:
             return []
         return sorted(n for n in (posixpath.basename(p.rstrip("/")) for p in found) if n.endswith(suffix))
@@ -488,16 +550,6 @@ class RemoteFolder(Folder):
             self.fs.put_file(str(path), self._path(name))
         except Exception as err:  # noqa: BLE001
             raise self.write_error(name, _as_os_error(err)) from err
-
-
-def parse_entry(blob: bytes, where: str) -> dict[str, Any] | None:
-    try:
-        entry = json.loads(blob)
-        repr(entry["sample_id"]), int(entry["epoch"])
-    except (ValueError, KeyError, TypeError):
-        warnings.warn(f"{where}: skipping an unreadable index entry", stacklevel=4)
-        return None
-    return entry
 
 
 def _as_os_error(err: Exception) -> OSError:

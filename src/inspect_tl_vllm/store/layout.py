@@ -14,7 +14,9 @@ take both, in one folder too.
   characters cannot escape the folder.
 - A file name read back (from an index or a log) is trusted only as a plain name that stays
   inside its folder (``Folder.file``): an edited index cannot make a reader or ``eval-retry``
-  touch a file elsewhere.
+  touch a file elsewhere. Every other field is type- and range-checked (``store/entries.py``), and
+  the bytes read must hold exactly the hooks, shapes and dtypes the entry records: an entry that
+  names another sample's bytes is refused.
 - A write that fails (disk full, file size limit, a store's error) raises an error naming the
   folder and the cause, and leaves neither a partial file nor a partial index entry behind.
 - ``link_sample`` adds a file stored for an earlier eval (one that ``eval-retry`` reused a sample
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from inspect_tl_vllm.specs import SpecError
+from inspect_tl_vllm.store.entries import stored_problem
 from inspect_tl_vllm.store.folders import (
     INDEX,
     SHARDS,
@@ -45,6 +48,7 @@ from inspect_tl_vllm.store.folders import (
     folder_at,
     is_url,
     local_path,
+    open_regular,
 )
 from inspect_tl_vllm.store.shards import (
     ShardWriter,
@@ -52,7 +56,6 @@ from inspect_tl_vllm.store.shards import (
     is_shard_entry,
     shard_entries,
     shard_index_name,
-    shard_span,
 )
 
 __all__ = ["INDEX", "StoredFileError", "UnsafePathError"]  # what readers of a folder expect to find here
@@ -254,8 +257,9 @@ def read_sample(
     in ``directory``; pass ``reader`` (a ``SampleReader`` of that folder) when reading many.
 
     Raises ``StoredFileError`` naming the file and ``where`` (which index line or sample, default the
-    folder's index) when the name leads outside the folder, or the file is missing, changed, cut
-    short or unreadable.
+    folder's index) when the entry's fields are out of range (a log's record is checked here as an
+    index line is when read), the name leads outside the folder, the file is missing, changed, cut
+    short or unreadable, or its tensors are not the hooks, shapes and dtypes the entry records.
     """
     from safetensors import SafetensorError
     from safetensors.torch import load
@@ -264,6 +268,9 @@ def read_sample(
         with SampleReader(directory) as own:
             return read_sample(directory, entry, verify, where, own)
     where = where or reader.where(entry)
+    problem = stored_problem(entry)
+    if problem is not None:
+        raise StoredFileError(f"{where}: {problem}")
     blob, location = reader.blob(entry, where)
     if verify and hashlib.sha256(blob).hexdigest() != entry.get("sha256"):
         raise StoredFileError(f"{where}: {location}: checksum mismatch (file changed or corrupt)")
@@ -271,9 +278,23 @@ def read_sample(
         tensors = load(blob)
     except SafetensorError as err:
         raise StoredFileError(f"{where}: {location} is not a readable safetensors file ({err})") from err
+    found, recorded = _layout(tensors), {hook: (info["shape"], info["dtype"]) for hook, info in entry["hooks"].items()}
+    if found != recorded:  # the checksum only says the bytes are whole, not that they are this sample's
+        raise StoredFileError(
+            f"{where}: {location} holds {_described(found)} where the entry records {_described(recorded)}: it "
+            "names another sample's bytes, or was edited"
+        )
     # safetensors returns the tensors in no fixed order: give them in the index's (capture) order
-    recorded = [hook for hook in entry.get("hooks") or {} if hook in tensors]
-    return {hook: tensors[hook] for hook in recorded + sorted(set(tensors) - set(recorded))}
+    return {hook: tensors[hook] for hook in recorded}
+
+
+def _layout(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[list[int], str]]:
+    """Each tensor's shape and dtype, as an index entry records them (``write_sample``)."""
+    return {hook: (list(t.shape), str(t.dtype).removeprefix("torch.")) for hook, t in tensors.items()}
+
+
+def _described(layout: dict[str, tuple[list[int], str]]) -> str:
+    return ", ".join(f"{hook} {tuple(shape)} {dtype}" for hook, (shape, dtype) in sorted(layout.items())) or "no tensor"
 
 
 class SampleReader:
@@ -303,18 +324,21 @@ class SampleReader:
         name = entry.get("file")
         if not is_shard_entry(entry):
             return self.folder.read(name, where), self.folder.file(name, where)
-        offset, length = shard_span(entry, where)
+        offset, length = entry["offset"], entry["length"]  # whole numbers below 2**62 (read_sample checked)
         location = self.shards.file(name, where) if name not in self._open else f"{self.shards.location}/{name}"
         if isinstance(self.shards, RemoteFolder) and not self._whole:
-            return check_complete(self.shards.read_range(name, offset, length, where), entry, where, location), location
+            blob = self.shards.read_range(name, offset, length, where)
+            check_complete(len(blob), entry, where, location)
+            return blob, location
         descriptor = self._open.get(name)
         if descriptor is None:
             descriptor = self._open[name] = self._opened(name, location, where)
         try:
+            check_complete(max(0, os.fstat(descriptor).st_size - offset), entry, where, location)
             blob = os.pread(descriptor, length, offset)
         except OSError as err:
             raise StoredFileError(f"{where}: cannot read {location} ({err.strerror or err})") from err
-        return check_complete(blob, entry, where, location), location
+        return blob, location
 
     def _opened(self, name: str, location: str, where: str) -> int:
         path = Path(location)
@@ -324,10 +348,7 @@ class SampleReader:
                 self._copies = Path(tempfile.mkdtemp(prefix="tlvllm-shards-"))
             path = self._copies / name
             self.shards.download(name, path, where)
-        try:
-            return os.open(path, os.O_RDONLY)
-        except OSError as err:
-            raise StoredFileError(f"{where}: cannot read {location} ({err.strerror or err})") from err
+        return open_regular(path, where)
 
     def close(self) -> None:
         for descriptor in self._open.values():

@@ -43,7 +43,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from inspect_tl_vllm.store.folders import SHARDS, Folder, LocalFolder, RemoteFolder, StoredFileError, parse_entry
+from inspect_tl_vllm.store.entries import parse_entry
+from inspect_tl_vllm.store.folders import SHARDS, Folder, LocalFolder, RemoteFolder, StoredFileError
 
 logger = logging.getLogger(__name__)
 
@@ -54,9 +55,9 @@ SPOOL_ENV = "TLVLLM_SPOOL_DIR"
 
 
 def shard_entries(folder: Folder) -> list[dict[str, Any]]:
-    """The entries of every shard in ``folder``, oldest shard first; a torn or unreadable line is
-    skipped with a warning, and a line that names a file other than its own shard is refused (an
-    index can only point into the shard it describes)."""
+    """The entries of every shard in ``folder``, oldest shard first; a torn, unreadable or out of
+    range line is skipped with a warning (``parse_entry``), and so is a line that names a file other
+    than its own shard or no span of it (an index can only point into the shard it describes)."""
     shards = folder.sub(SHARDS)
     names = shards.names(".jsonl")
     found = []
@@ -70,7 +71,7 @@ def shard_entries(folder: Folder) -> list[dict[str, Any]]:
             entry = parse_entry(line, f"{where}:{number}") if line.strip() else None
             if entry is None:
                 continue
-            if entry.get("file") != own or not all(_count(entry.get(key)) for key in ("offset", "length")):
+            if entry.get("file") != own or not is_shard_entry(entry):
                 warnings.warn(
                     f"{where}:{number}: skipping an entry that does not point into its own shard {own}", stacklevel=3
                 )
@@ -88,29 +89,15 @@ def shard_index_name(shard: Any) -> str:
     return f"{str(shard).removesuffix('.bin')}.jsonl"
 
 
-def shard_span(entry: dict[str, Any], where: str) -> tuple[int, int]:
-    """(offset, length) of the blob a shard entry names, checked."""
-    offset, length = entry.get("offset"), entry.get("length")
-    if not (_count(offset) and _count(length)):
+def check_complete(held: int, entry: dict[str, Any], where: str, location: str) -> None:
+    """``StoredFileError`` when the shard holds only ``held`` of ``entry``'s bytes (it ended before
+    the blob did); checked before a local read, so that no read asks for more than the shard holds."""
+    if held < entry["length"]:
         raise StoredFileError(
-            f"{where}: a shard entry needs whole-number offset and length, got {offset!r}, {length!r}"
-        )
-    return offset, length
-
-
-def check_complete(blob: bytes, entry: dict[str, Any], where: str, location: str) -> bytes:
-    """``blob`` as read for ``entry``; ``StoredFileError`` when the shard ended before the blob did."""
-    if len(blob) < entry["length"]:
-        raise StoredFileError(
-            f"{where}: shard {location} is cut short: it holds {len(blob)} of this sample's {entry['length']} bytes "
+            f"{where}: shard {location} is cut short: it holds {held} of this sample's {entry['length']} bytes "
             f"(from offset {entry['offset']}); the run that wrote it stopped before its data reached the store. "
             "The shard's complete samples are read"
         )
-    return blob
-
-
-def _count(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 _last_ns = 0
