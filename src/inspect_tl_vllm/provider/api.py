@@ -37,6 +37,7 @@ from inspect_tl_vllm.engine.frontend import CaptureResult, PreparedRequest, samp
 from inspect_tl_vllm.provider import carry_over as _carry_over  # noqa: F401 (registers the eval-retry hook)
 from inspect_tl_vllm.provider.active import ActiveSample, active_sample
 from inspect_tl_vllm.provider.engine_pool import EngineThread, shared_engine
+from inspect_tl_vllm.provider.generate_config import config_sampling, per_request
 from inspect_tl_vllm.provider.model_args import parse_model_args
 from inspect_tl_vllm.provider.sample_spec import FILES_KEY, METADATA_KEY, named_file_digests
 from inspect_tl_vllm.provider.sampling_extras import sampling_extras
@@ -229,10 +230,13 @@ class TLVLLMAPI(ModelAPI):
         Plain: one request with ``n = num_choices``.  Instrumented: one request per choice (the
         worker keeps one result per request), each steered alike; only the first captures, so a
         sample stores one set of activations.  A seed gives choice i the seed + i, as vLLM seeds
-        the children of one request."""
+        the children of one request.  The fields of ``config`` that tl-vllm cannot honour are
+        refused here, before any request is made (``generate_config.py``)."""
         choices = config.num_choices or 1
         front = instrumented.instrumentation
-        extras = sampling_extras(config.extra_body, where)
+        vocab_size = instrumented.llm.model_config.get_vocab_size()
+        template = str(self.chat_template or self.tokenizer.chat_template or "")
+        extras = {**sampling_extras(config.extra_body, where), **config_sampling(config, vocab_size, template, where)}
         if spec is None:
             return [(self._sampling_params(config, max_tokens, None, extras, n=choices), None)]
         steer_only = RequestSpec(interventions=spec.interventions)
@@ -291,9 +295,13 @@ class TLVLLMAPI(ModelAPI):
             args["stop"] = list(config.stop_seqs)
         if config.logprobs:
             args["logprobs"] = config.top_logprobs or 0
-        args.update(extras)  # vLLM's own fields from extra_body (ignore_eos, min_tokens, ...)
+        # vLLM's own fields from extra_body (ignore_eos, min_tokens, ...), and logit_bias,
+        # prompt_logprobs (which reads no prefix cache) and response_schema (generate_config.py)
+        args.update(per_request(extras))
+        # the spec's wire data, and no prefix-cache reads for a capture (None: vLLM's default)
+        args.update({name: value for name, value in sampling_fields(prepared).items() if value is not None})
         # A fresh object per request, as vLLM's own OpenAI server makes: it need not be deep-copied.
-        return SamplingParams(**args, **sampling_fields(prepared), skip_clone=True)
+        return SamplingParams(**args, skip_clone=True)
 
     async def _run_all(
         self, instrumented: InstrumentedLLM, prompt_ids: list[int], runs: list[tuple[Any, PreparedRequest | None]]
@@ -340,11 +348,22 @@ class TLVLLMAPI(ModelAPI):
         self, finals: list[Any], prompt_len: int, tools: list[ToolInfo], config: GenerateConfig
     ) -> ModelOutput:
         choices = []
-        for completion in (completion for final in finals for completion in final.outputs):
-            message = self._assistant_message(completion.text, tools)
-            stop = "tool_calls" if message.tool_calls else STOP_REASONS.get(completion.finish_reason, "unknown")
-            logprobs = self._logprobs(completion, config.top_logprobs or 0) if config.logprobs else None
-            choices.append(ChatCompletionChoice(message=message, stop_reason=stop, logprobs=logprobs))
+        with_prompt_logprobs = getattr(config, "prompt_logprobs", None) is not None
+        one_tool_call = getattr(config, "parallel_tool_calls", None) is False
+        for final in finals:
+            # vLLM's server puts a request's prompt logprobs on the response; Inspect's vllm/ on every choice
+            prompt_logprobs = self._prompt_logprobs(final.prompt_logprobs) if with_prompt_logprobs else None
+            for completion in final.outputs:
+                message = self._assistant_message(completion.text, tools)
+                if one_tool_call and message.tool_calls:
+                    message.tool_calls = message.tool_calls[:1]  # as vLLM's server does
+                stop = "tool_calls" if message.tool_calls else STOP_REASONS.get(completion.finish_reason, "unknown")
+                logprobs = self._logprobs(completion, config.top_logprobs or 0) if config.logprobs else None
+                choices.append(
+                    ChatCompletionChoice(
+                        message=message, stop_reason=stop, logprobs=logprobs, prompt_logprobs=prompt_logprobs
+                    )
+                )
         output_tokens = sum(len(c.token_ids) for final in finals for c in final.outputs)
         usage = ModelUsage(
             input_tokens=prompt_len, output_tokens=output_tokens, total_tokens=prompt_len + output_tokens
@@ -383,6 +402,29 @@ class TLVLLMAPI(ModelAPI):
                 )
             )
         return Logprobs(content=content)
+
+    def _prompt_logprobs(self, entries: list[Any] | None) -> Logprobs | None:
+        """vLLM's prompt logprobs as Inspect's ``vllm/`` provider reports them (its
+        ``parse_vllm_prompt_logprobs_raw`` on vLLM's OpenAI server's response): one entry per prompt
+        token but the first, the token vLLM lists first (the prompt's own), then the others it lists
+        as ``top_logprobs`` (None when there are none); -inf as the server sends it, -9999."""
+        content = []
+        for entry in entries or []:
+            if not entry:
+                continue
+            (token_id, own), *others = entry.items()
+            content.append(
+                Logprob(
+                    token=self._token_text(token_id, own),
+                    logprob=_served_logprob(own.logprob),
+                    top_logprobs=[
+                        TopLogprob(token=self._token_text(other, lp), logprob=_served_logprob(lp.logprob))
+                        for other, lp in others
+                    ]
+                    or None,
+                )
+            )
+        return Logprobs(content=content) if content else None
 
     def _token_text(self, token_id: int, logprob: Any) -> str:
         return logprob.decoded_token if logprob.decoded_token is not None else self.tokenizer.decode([token_id])
@@ -447,7 +489,19 @@ class TLVLLMAPI(ModelAPI):
 def _sampling_summary(params: Any) -> dict[str, Any]:
     """The sampling parameters a request ran with, as the log's model call records them."""
     fields = ("n", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "logprobs")
-    return {name: getattr(params, name) for name in fields}
+    summary = {name: getattr(params, name) for name in fields}
+    if params.prompt_logprobs is not None:
+        summary["prompt_logprobs"] = params.prompt_logprobs
+    if params.logit_bias:
+        summary["logit_bias"] = {str(token): bias for token, bias in params.logit_bias.items()}
+    if params.structured_outputs is not None:
+        summary["response_schema"] = params.structured_outputs.json
+    return summary
+
+
+def _served_logprob(value: float) -> float:
+    """A prompt logprob as vLLM's OpenAI server sends it: -inf as -9999, others as they are."""
+    return MIN_LOGPROB if value == float("-inf") else value
 
 
 def _utf8(text: str) -> list[int]:
