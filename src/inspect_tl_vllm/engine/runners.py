@@ -99,15 +99,8 @@ class V1Runner:
             on_layout(scheduler_output, self.layout(scheduler_output))
             return preprocess(scheduler_output, *args, **kwargs)
 
-        def execute_model(*args: Any, **kwargs: Any) -> Any:
-            on_execute(args[0] if args else kwargs["scheduler_output"])
-            try:
-                return execute(*args, **kwargs)
-            finally:
-                on_after()
-
         runner._preprocess = _preprocess
-        runner.execute_model = execute_model
+        runner.execute_model = routed_execute(execute, on_execute, on_after)
 
 
 class V2Runner:
@@ -159,17 +152,25 @@ class V2Runner:
             on_layout(scheduler_output, self.layout(batch))
             return batch
 
-        def execute_model(*args: Any, **kwargs: Any) -> Any:
-            if kwargs.get("dummy_run"):
-                return execute(*args, **kwargs)
-            on_execute(args[0] if args else kwargs["scheduler_output"])
-            try:
-                return execute(*args, **kwargs)
-            finally:
-                on_after()
-
         runner.prepare_inputs = prepare_inputs
-        runner.execute_model = execute_model
+        runner.execute_model = routed_execute(execute, on_execute, on_after)
+
+
+def routed_execute(execute: Callable[..., Any], on_execute: OnExecute, on_after: OnAfter) -> Callable[..., Any]:
+    """``execute_model`` that calls ``on_execute`` with the step's scheduler output before it and
+    ``on_after`` after it.  V2's dummy runs (memory profile, graph capture, warm-up padding) carry
+    no requests and pass through untouched; V1 runs none through ``execute_model``."""
+
+    def execute_model(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("dummy_run"):
+            return execute(*args, **kwargs)
+        on_execute(args[0] if args else kwargs["scheduler_output"])
+        try:
+            return execute(*args, **kwargs)
+        finally:
+            on_after()
+
+    return execute_model
 
 
 def runner_for(runner: Any) -> V1Runner | V2Runner:
