@@ -75,8 +75,13 @@ def test_probe_scorer_refuses_a_file_name_leading_out_of_the_folder(tmp_path):
         tokens={hook: 2},
     )
     output = ModelOutput.from_content("tl-vllm/tiny", "answer")
-    # dir, file and sha256, as the provider records them; the file lies two levels above the folder
-    recorded = {"dir": str(folder), "file": f"../../{entry['file']}", "sha256": entry["sha256"]}
+    # dir, file, sha256 and hooks, as the provider records them; the file lies two levels above the folder
+    recorded = {
+        "dir": str(folder),
+        "file": f"../../{entry['file']}",
+        "sha256": entry["sha256"],
+        "hooks": entry["hooks"],
+    }
     output.metadata = {TAG: {"activations": recorded}}
     state = TaskState(ModelName("tl-vllm/tiny"), "s", 1, "q", [], output=output)
     with pytest.raises(UnsafePathError, match=r"probe_scorer: sample 's' epoch 1 output metadata: file name '\.\./"):

@@ -288,7 +288,7 @@ from inspect_tl_vllm.store.layout import INDEX, read_index, write_sample
 
 directory, limit = Path(sys.argv[1]), int(sys.argv[2])
 directory.mkdir()
-first = {"eval_id": "E", "sample_id": "pad", "epoch": 1, "file": "none", "pad": ""}
+first = {"eval_id": "E", "sample_id": "pad", "epoch": 1, "file": "none", "sha256": "0" * 64, "hooks": {}, "pad": ""}
 first["pad"] = "x" * (limit - 40 - len(json.dumps(first, sort_keys=True)))
 (directory / INDEX).write_text(json.dumps(first, sort_keys=True) + "\\n")
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
