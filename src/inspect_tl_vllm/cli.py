@@ -1,4 +1,5 @@
-"""``tl-vllm``: model preparation, aliases, vector extraction and import, sweeps, reports, activations, demo."""
+"""``tl-vllm``: model preparation, aliases, vector extraction and import, sweeps, reports, activations, demo,
+self-check."""
 
 from __future__ import annotations
 
@@ -208,6 +209,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--out", default="logs", help="directory for the captured activations")
     demo.add_argument("--save-vector", default=None, help="also save the extracted steering vector here")
     demo.set_defaults(func=_demo, outputs={"out": True, "save_vector": False})
+    from inspect_tl_vllm import verify  # light: torch and vLLM are imported when it runs
+
+    check = sub.add_parser("verify", help="self-check: hooks fire, steering, isolation, fidelity against transformers")
+    verify.add_arguments(check)
+    check.set_defaults(func=verify.run)
     args = parser.parse_args(argv)
     for dest, is_dir in getattr(args, "outputs", {}).items():  # {argument: whether it names a folder}
         value = getattr(args, dest)
