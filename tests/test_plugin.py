@@ -24,6 +24,10 @@ from vllm.v1.worker import gpu_worker
 
 for name in ("load_model", "compile_or_warm_up_model"):
     assert getattr(getattr(gpu_worker.Worker, name), _MARK, False), name
+from vllm.v1.worker import cpu_worker
+
+# the CPU worker's own warm-up does not call Worker's: the check that every hook fired is wrapped there too
+assert getattr(cpu_worker.CPUWorker.compile_or_warm_up_model, _MARK, False)
 print("wrapped on import")
 """
 

@@ -9,7 +9,7 @@ front end never does.
 - ``Worker.load_model``: before it, start the parent watchdog (below); after it, install the
   hooks, before the memory profile run that triggers torch.compile (hooks registered later
   never run when compiled).
-- ``Worker.compile_or_warm_up_model``: after warm-up, check that every hook fired.
+- ``Worker.compile_or_warm_up_model`` (and the CPU worker's own): after warm-up, check that every hook fired.
 - ``EngineCore._initialize_kv_caches``: start the parent watchdog in the engine core process.
   It is the first engine-core method that runs after this plugin has loaded there: with the
   ``spawn`` start method the plugin first loads inside ``EngineCore.__init__``, so wrapping
@@ -88,6 +88,7 @@ def unsupported_vllm() -> str | None:
 
 WORKER_MODULE = "vllm.v1.worker.gpu_worker"
 """Where vLLM's ``Worker`` lives (the CPU worker subclasses it)."""
+CPU_WORKER_MODULE = "vllm.v1.worker.cpu_worker"
 
 
 def register() -> None:
@@ -100,6 +101,7 @@ def register() -> None:
     # The worker module is wrapped when a process imports it: importing it here would cost every
     # front end (which runs no worker) 2-3 s of kernel-module imports before its engine starts.
     after_import(WORKER_MODULE, _wrap_worker)
+    after_import(CPU_WORKER_MODULE, _wrap_cpu_worker)
 
 
 def _wrap_worker(gpu_worker: ModuleType) -> None:
@@ -107,6 +109,14 @@ def _wrap_worker(gpu_worker: ModuleType) -> None:
 
     _wrap(gpu_worker.Worker, "load_model", before=_watch_if_instrumented, after=tl_worker.attach)
     _wrap(gpu_worker.Worker, "compile_or_warm_up_model", after=tl_worker.verify_hooks_fired)
+
+
+def _wrap_cpu_worker(cpu_worker: ModuleType) -> None:
+    """The CPU worker overrides ``compile_or_warm_up_model`` without calling ``Worker``'s (its
+    warm-up forward runs in ``determine_available_memory``), so the hook check is wrapped there too."""
+    from inspect_tl_vllm.engine import worker as tl_worker
+
+    _wrap(cpu_worker.CPUWorker, "compile_or_warm_up_model", after=tl_worker.verify_hooks_fired)
 
 
 def after_import(name: str, patch: Callable[[ModuleType], None]) -> None:
