@@ -1,7 +1,7 @@
 """vLLM's source as text, never imported: a release's CUDA wheel from PyPI, or the installed package,
 and a checker for the vLLM internals tl-vllm wraps and reads.
 
-tl-vllm wraps ``Worker.load_model``, ``Worker.compile_or_warm_up_model`` and
+tl-vllm wraps ``Worker.load_model``, ``Worker.compile_or_warm_up_model`` (and ``CPUWorker``'s), and
 ``EngineCore._initialize_kv_caches`` (``engine/plugin.py``), wraps the model runner's
 ``execute_model`` and ``_preprocess`` (V1) or ``prepare_inputs`` (Model Runner V2) and reads the
 batch layout, the scheduler's output and a few runner attributes (``engine/runners.py``,
@@ -750,6 +750,12 @@ ENGINE_ARGS_USED = ("model", "additional_config", "worker_extension_cls", "kv_ca
 COMMON: tuple[Need, ...] = (
     Method(WORKER, "Worker", "load_model", "plugin.py wraps it: parent watchdog before, worker.attach (hooks) after"),
     Method(WORKER, "Worker", "compile_or_warm_up_model", "plugin.py wraps it: verify_hooks_fired after warm-up"),
+    Method(
+        "vllm/v1/worker/cpu_worker.py",
+        "CPUWorker",
+        "compile_or_warm_up_model",
+        "plugin.py wraps it: verify_hooks_fired after the CPU worker's warm-up (it does not call Worker's)",
+    ),
     Members(
         WORKER,
         "Worker",
