@@ -3,8 +3,7 @@
 A spec names vector files (``vector: "dir/v.safetensors:key"``) and SAE folders (``sae: DIR``) by
 path.  Keyed on the path, Inspect's ``--cache`` would return an answer steered by a vector that
 has since been overwritten; keyed on these digests, recomputed for every call, it cannot.  A
-file's digest is computed once per version of it, where a version is its inode, size, mtime and
-ctime: a rewrite changes the ctime even when it keeps the size and restores the mtime.
+file's digest is computed once per version of it (``versions.file_version``).
 """
 
 from __future__ import annotations
@@ -19,11 +18,12 @@ from typing import Any
 from inspect_tl_vllm.specs import RequestSpec
 from inspect_tl_vllm.vectors.files import split_vector_ref
 from inspect_tl_vllm.vectors.sae import CONFIG, WEIGHTS
+from inspect_tl_vllm.vectors.versions import FileVersion, file_version
 
 MAX_REMEMBERED = 4096
 """Digests remembered (a few hundred bytes each); the least recently used go first."""
 
-_digests: OrderedDict[tuple[str, int, int, int, int], str] = OrderedDict()
+_digests: OrderedDict[tuple[str, FileVersion], str] = OrderedDict()
 _lock = threading.Lock()
 
 
@@ -36,7 +36,7 @@ def file_digest(path: Path) -> str | None:
         return None
     if not os.path.isfile(path):
         return None
-    key = (str(Path(path).resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns)
+    key = (str(Path(path).resolve()), file_version(stat))
     with _lock:
         digest = _digests.get(key)
         if digest is not None:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from inspect_tl_vllm.specs import MAX_VECTOR_ENTRY, SpecError, parse_hook_point
+from inspect_tl_vllm.vectors.versions import FileVersion, file_version
 
 
 def load_vector(ref: list[float] | str, width: int, *, where: str = "vector") -> torch.Tensor:
@@ -82,7 +83,7 @@ class _VectorCache:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def get(self, name: tuple[str, str], version: tuple[int, ...]) -> torch.Tensor | None:
+    def get(self, name: tuple[str, str], version: FileVersion) -> torch.Tensor | None:
         with self._lock:
             found = self._items.get(name)
             if found is None or found[0] != version:
@@ -90,7 +91,7 @@ class _VectorCache:
             self._items.move_to_end(name)
             return found[1]
 
-    def put(self, name: tuple[str, str], version: tuple[int, ...], tensor: torch.Tensor) -> None:
+    def put(self, name: tuple[str, str], version: FileVersion, tensor: torch.Tensor) -> None:
         size = tensor.numel() * tensor.element_size()
         with self._lock:
             old = self._items.pop(name, None)
@@ -121,7 +122,7 @@ def read_vector_file(ref: str, where: str = "vector") -> torch.Tensor:
     if info is None or not stat.S_ISREG(info.st_mode):
         raise SpecError(f"{where}: vector file {str(path)!r} not found")
     name = (str(resolved), key)
-    version = (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+    version = file_version(info)
     cached = _CACHE.get(name, version)
     if cached is None:  # stat first, then read: what is cached is never older than the stat it is filed under
         tensor = _read_tensor(path, key, where)

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from inspect_tl_vllm.specs import MAX_FEATURE, MAX_VECTOR_ENTRY, SpecError, parse_hook_point
+from inspect_tl_vllm.vectors.versions import FileVersion, file_version
 
 CONFIG = "cfg.json"
 WEIGHTS = "sae_weights.safetensors"
@@ -133,7 +134,7 @@ def load_sae(path: str | Path, where: str = "sae") -> SparseAutoencoder:
     return sae
 
 
-SaeVersion = tuple[str, tuple[tuple[int, int, int, int], ...]]
+SaeVersion = tuple[str, tuple[FileVersion, ...]]
 
 MAX_CACHED = 8
 MAX_CACHED_BYTES = 4 << 30
@@ -147,9 +148,8 @@ def _cached_bytes() -> int:
 
 
 def sae_version(path: str | Path, where: str = "sae") -> SaeVersion:
-    """The folder's resolved path and, per file, (inode, size, mtime, ctime) in nanoseconds: a
-    rewrite changes the ctime even when it keeps the size and restores the mtime, so a cache keyed
-    on this never serves an older version.  A SpecError when the folder is not an SAE's."""
+    """The folder's resolved path and its two files' versions (``versions.file_version``), so a
+    cache keyed on this never serves an older version.  A SpecError when the folder is not an SAE's."""
     folder = Path(path).expanduser()
     files = [folder / CONFIG, folder / WEIGHTS]
     for file in files:
@@ -159,7 +159,7 @@ def sae_version(path: str | Path, where: str = "sae") -> SaeVersion:
                 f"{CONFIG} and {WEIGHTS}, as SAE.save_model writes them)"
             )
     stats = (file.stat() for file in files)
-    return str(folder.resolve()), tuple((s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats)
+    return str(folder.resolve()), tuple(file_version(info) for info in stats)
 
 
 def read_sae(folder: str | Path, where: str = "sae") -> SparseAutoencoder:
