@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from inspect_tl_vllm.engine.plugin import installed_vllm
+from inspect_tl_vllm.verify import environment
 
 IN_CI = os.environ.get("CI", "").lower() == "true"
 TINY = {
@@ -105,24 +106,6 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) 
 
     config = LlamaConfig(vocab_size=49152, tie_word_embeddings=False, **TINY)
     return build_tiny_model("LlamaForCausalLM", config, tmp_path_factory.mktemp("tiny-llama"), smollm2_dir)
-
-
-@contextlib.contextmanager
-def environment(**values: str | None) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    for key, value in values.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-    try:
-        yield
-    finally:
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
 
 
 def boot_engine(model: Path | str, *, compiled: bool = False, **kwargs: object):

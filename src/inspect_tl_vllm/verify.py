@@ -379,7 +379,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 @contextlib.contextmanager
-def _environment(**values: str | None) -> Iterator[None]:
+def environment(**values: str | None) -> Iterator[None]:
+    """Environment variables set (None: removed) while the block runs, then restored."""
     saved = {key: os.environ.get(key) for key in values}
     for key, value in values.items():
         if value is None:
@@ -472,7 +473,7 @@ class Verifier:
         say(f"booting the instrumented engine on {self.args.model}, {self.args.dtype}, {mode} ...")
         started = time.perf_counter()
         # An eager engine also skips the sampler's own torch.compile (C++ builds on the CPU).
-        with _environment(**({} if compiled else {"TORCH_COMPILE_DISABLE": "1"})):
+        with environment(**({} if compiled else {"TORCH_COMPILE_DISABLE": "1"})):
             engine = boot(self.path, instrument=instrument, **settings)
         say(f"booted in {time.perf_counter() - started:.0f} s")
         return engine
