@@ -754,7 +754,7 @@ COMMON: tuple[Need, ...] = (
         "vllm/v1/worker/cpu_worker.py",
         "CPUWorker",
         "compile_or_warm_up_model",
-        "plugin.py wraps it: verify_hooks_fired after the CPU worker's warm-up (it does not call Worker's)",
+        "plugin.py wraps it: verify_hooks_fired after a compiled CPU warm-up (it does not call Worker's)",
     ),
     Members(
         WORKER,

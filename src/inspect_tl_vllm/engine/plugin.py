@@ -112,11 +112,20 @@ def _wrap_worker(gpu_worker: ModuleType) -> None:
 
 
 def _wrap_cpu_worker(cpu_worker: ModuleType) -> None:
-    """The CPU worker overrides ``compile_or_warm_up_model`` without calling ``Worker``'s (its
-    warm-up forward runs in ``determine_available_memory``), so the hook check is wrapped there too."""
+    """The CPU worker overrides ``compile_or_warm_up_model`` without calling ``Worker``'s, so the
+    hook check is wrapped there too (``_verify_if_compiled``)."""
+    _wrap(cpu_worker.CPUWorker, "compile_or_warm_up_model", after=_verify_if_compiled)
+
+
+def _verify_if_compiled(worker: Any) -> None:
+    """The CPU worker's warm-up forward runs only when the model is compiled (vLLM 0.32 skips it in
+    eager mode), and only a compiled graph can leave a hook out: check then."""
+    from vllm.config import CompilationMode
+
     from inspect_tl_vllm.engine import worker as tl_worker
 
-    _wrap(cpu_worker.CPUWorker, "compile_or_warm_up_model", after=tl_worker.verify_hooks_fired)
+    if worker.vllm_config.compilation_config.mode != CompilationMode.NONE:
+        tl_worker.verify_hooks_fired(worker)
 
 
 def after_import(name: str, patch: Callable[[ModuleType], None]) -> None:
