@@ -34,8 +34,16 @@ def v2_batch(req_ids: list[str], counts: list[int], computed: list[int], buffers
     buffers.query_start_loc[: len(starts)] = torch.from_numpy(starts)
     batch, positions = _host_rows(starts.astype(np.int64), np.array(computed, dtype=np.int64))
     buffers.positions[:rows] = torch.from_numpy(positions)
+    # vLLM >= 0.32 keeps the batch's computed-token counts in the batch itself; 0.20.2 in the runner's
+    # per-slot mirror (set by the test)
+    own = (
+        {"num_computed_tokens_np": np.array(computed, dtype=np.int32)}
+        if hasattr(dummy, "num_computed_tokens_np")
+        else {}
+    )
     return dataclasses.replace(
         dummy,
+        **own,
         req_ids=req_ids,
         idx_mapping_np=np.arange(len(req_ids))[::-1].copy(),  # state slots in another order than the batch
         query_start_loc=buffers.query_start_loc[: len(starts)],
