@@ -197,16 +197,44 @@ def test_an_unsupported_vllm_is_left_untouched_and_refused_at_construction(monke
         return None
 
     monkeypatch.setattr(gpu_worker.Worker, "load_model", load_model)
-    installed = VLLM_VERSION  # either supported release: the suite runs on both
-    monkeypatch.setattr(plugin, "SUPPORTED_VLLM", ("0.0.1",))
+    installed = VLLM_VERSION  # any release of the range: the suite runs on both ends
+    monkeypatch.setattr(plugin, "VLLM_RANGE", ("0.0.1", "0.0.2"))
     plugin.register()
     assert gpu_worker.Worker.load_model is load_model
-    refusal = rf"tl-vllm supports vLLM 0\.0\.1, but vLLM {re.escape(installed)} is installed"
+    refusal = (
+        rf"tl-vllm instruments vLLM 0\.0\.1 up to \(not including\) 0\.0\.2, but vLLM {re.escape(installed)} is "
+        r"installed.*`pip install 'vllm>=0\.0\.1,<0\.0\.2'`"
+    )
     with pytest.raises(RuntimeError, match=refusal):
         construct_instrumented_llm("smollm2")
-    monkeypatch.setattr(plugin, "SUPPORTED_VLLM", (installed,))
+    monkeypatch.setattr(plugin, "VLLM_RANGE", (installed, "99"))
     plugin.register()
     assert gpu_worker.Worker.load_model is not load_model  # the check above could fail
+
+
+@pytest.mark.parametrize(
+    ("version", "supported", "warned"),
+    [
+        ("0.20.1", False, False),
+        ("0.20.2", True, False),
+        ("0.26.0", True, False),
+        ("0.32.0", True, False),
+        ("0.33.0", True, True),
+        ("0.34.1.dev7+g1234abc", True, True),
+        ("0.35.0", False, False),
+        ("1.0.0", False, False),
+    ],
+)
+def test_the_vllm_range_admits_its_releases_and_warns_past_those_the_tests_run(monkeypatch, version, supported, warned):
+    from inspect_tl_vllm.engine import plugin
+
+    monkeypatch.setattr(plugin, "installed_vllm", lambda: version)
+    assert (plugin.unsupported_vllm() is None) is supported
+    note = plugin.untested_vllm()
+    assert (note is not None) is warned
+    if warned:
+        assert f"vLLM {version} is newer than the releases tl-vllm's tests run" in note
+        assert "tl-vllm verify" in note
 
 
 def test_a_model_runner_tl_vllm_does_not_know_is_refused_by_name() -> None:

@@ -54,5 +54,6 @@ def test_with_no_vllm_installed_boot_says_what_to_install(monkeypatch) -> None:
         raise importlib.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(importlib.metadata, "version", version)
-    with pytest.raises(RuntimeError, match=r"vLLM, which is not installed: .*pip install 'inspect-tl-vllm\[gpu\]'"):
+    refusal = r"vLLM \(vllm>=0\.20\.2,<0\.35\), which is not installed: .*pip install 'inspect-tl-vllm\[gpu\]'"
+    with pytest.raises(RuntimeError, match=refusal):
         construct_instrumented_llm("smollm2")

@@ -8,6 +8,8 @@ the workers'.  The Python API and the Inspect provider both call it.
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -43,6 +45,12 @@ class InstrumentedLLM:
     instrumentation: Instrumentation
     model_path: str
     is_async: bool
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    """A warning logged once per process, not at every engine an eval builds."""
+    logging.getLogger(__name__).warning(message)
 
 
 def on_cpu_build() -> bool:
@@ -98,11 +106,14 @@ def construct_instrumented_llm(
     With ``async_engine=True`` the engine is an ``AsyncLLM`` (bound to the running loop's
     thread), otherwise an offline ``vllm.LLM``.
     """
-    from inspect_tl_vllm.engine.plugin import unsupported_vllm
+    from inspect_tl_vllm.engine.plugin import unsupported_vllm, untested_vllm
 
     reason = unsupported_vllm()
     if reason is not None:
         raise RuntimeError(reason)
+    note = untested_vllm()
+    if note is not None:
+        _warn_once(note)
     settings = instrument if isinstance(instrument, InstrumentConfig) else InstrumentConfig(**(instrument or {}))
     check_engine_args(engine_kwargs)
     model_path = resolve_model(model)

