@@ -22,8 +22,9 @@ line per check, then a summary; exits 1 if a check failed, 2 on bad arguments.
 - fidelity: unsteered captures (resid_pre 0, resid_post of two layers, ln_final.hook_normalized)
   equal transformers' hidden states, and the tokens its argmax.
 
-Float32 (the default) compares at a relative error of 1e-3; bfloat16 at 5e-2, with token equality
-reported but not required (its kernels round differently).
+Float32 (the default) compares at a relative error of 1e-3 (isolation, batched against solo runs whose
+GPU kernels tile differently: 1e-2); bfloat16 at 5e-2, with token equality reported but not required
+(its kernels round differently).
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ REQUESTS = {"gpu": 64, "cpu": 16}
 REQUESTS_RANGE = (2, 1024)
 MAX_TOKENS_RANGE = (2, 256)
 TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2}
+# A batch and a lone request run different GEMM tilings on a GPU, so their float32 rows drift apart
+# as decoding goes on (up to 1.1e-3 after 64 tokens on an H100, vLLM 0.20.2, both runners). A leaked
+# vector (each is half the median residual norm) moves final-norm rows by tenths, far above these.
+ISOLATION_TOLERANCE = {"float32": 1e-2, "bfloat16": 5e-2}
 UNSTEERED_EVERY = 8  # in the isolation batch, every eighth request carries a capture only
 
 
@@ -359,7 +364,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype",
         default="float32",
         choices=sorted(TOLERANCE),
-        help="engine and reference dtype (float32: strict, rel err 1e-3 and equal tokens; bfloat16: 5e-2)",
+        help="engine and reference dtype (float32: strict, rel err 1e-3, isolation 1e-2, equal tokens; bfloat16: 5e-2)",
     )
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--eager", action="store_true", help="boot the engine eager (the CPU default)")
@@ -435,6 +440,7 @@ class Verifier:
         self.requests = args.requests or REQUESTS["cpu" if on_cpu else "gpu"]
         self.max_tokens = args.max_tokens
         self.tolerance = TOLERANCE[args.dtype]
+        self.isolation_tolerance = ISOLATION_TOLERANCE[args.dtype]
         self.strict_tokens = args.dtype == "float32"
         self.checks: list[Check] = []
         self.prompt: Any = None
@@ -606,7 +612,8 @@ class Verifier:
             for prompt, spec in zip(prompts, specs, strict=True)
         ]
         say(f"together {batch_s:.1f} s, one by one {time.perf_counter() - started:.1f} s")
-        return check_isolation(together, alone, FINAL, self.tolerance, mixed, strict_tokens=self.strict_tokens)
+        tolerance = self.isolation_tolerance
+        return check_isolation(together, alone, FINAL, tolerance, mixed, strict_tokens=self.strict_tokens)
 
     def compiled_vs_eager(self) -> Check:
         if self.plain is None:
