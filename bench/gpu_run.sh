@@ -21,6 +21,13 @@
 #   bash bench/gpu_run.sh quick  OUTDIR   # install, gpu_check, router_cost, then the 1B shape: vanilla, plain,
 #                                          # steer, capture, 3 rounds, until the call's time runs out (~8 min)
 #
+# vLLM's two model runners side by side (vLLM 0.20.2: V1 and Model Runner V2, the only runner of 0.34):
+#   bash bench/gpu_run.sh v2-check OUTDIR  # install, gpu_check on V2 (~4 min)
+#   bash bench/gpu_run.sh verify-V2 OUTDIR  # install, `tl-vllm verify --compiled` on V2 (verify-V1: on V1; ~4 min)
+#   bash bench/gpu_run.sh runners-1b OUTDIR  # throughput, Llama-3.2-1B shape, the five variants, 5 rounds on V2's two
+#                                          # engines, then on V1's, each runner against its own vanilla (~8 min)
+#   bash bench/gpu_run.sh runners-8b OUTDIR  # the same in the Llama-3-8B shape, 3 rounds (~9 min)
+#
 # Other model shapes, and the peer hotwire-vllm (steering only) beside the instrumented engine,
 # all with weights at training-init scale:
 #   bash bench/gpu_run.sh 1b     OUTDIR   # throughput, Llama-3.2-1B shape, the five standard variants (~3 min)
@@ -57,7 +64,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh install|check|quick|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|1b-long|1b-pinned|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
+step=${1:?usage: gpu_run.sh install|check|quick|v2-check|verify-V1|verify-V2|runners-1b|runners-8b|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|1b-long|1b-pinned|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -175,6 +182,27 @@ case "$step" in
     timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 3 \
       --weights scaled --variants vanilla,capture_all,capture_all_disk,capture_all_s3 \
       --out "$out/throughput_8b_store.json" >"$log" 2>&1
+    ;;
+  v2-check)
+    install_package
+    VLLM_USE_V2_MODEL_RUNNER=1 timeout -k 15 240 python3 bench/gpu_check.py --requests 256 \
+      --out "$out/gpu_check_v2.json" >>"$log" 2>&1
+    ;;
+  verify-V1 | verify-V2)  # the user's self-check, compiled then eager, on one runner
+    runner=${step#verify-}
+    install_package
+    VLLM_USE_V2_MODEL_RUNNER=$([ "$runner" = V2 ] && echo 1 || echo 0) timeout -k 15 280 \
+      python3 -m inspect_tl_vllm.verify --compiled >"$out/verify_$runner.log" 2>&1
+    echo "[gpu_run] verify on $runner exited $?" | tee -a "$log"
+    ;;
+  runners-1b | runners-8b)  # V2's pair of engines (vanilla, instrumented), then V1's, each runner against its own vanilla
+    size=${step#runners-}
+    for runner in V2 V1; do
+      timeout 285 python3 bench/throughput.py --model llama$size-shape --prompts 256 --new-tokens 256 \
+        --runs "$([ "$size" = 1b ] && echo 5 || echo 3)" --weights scaled \
+        --variants vanilla,plain,steer,capture,capture_all --runners $runner \
+        --out "$out/throughput_${size}_$runner.json" >>"$log" 2>&1
+    done
     ;;
   peers-1b | peers-8b)
     size=${step#peers-}

@@ -229,7 +229,11 @@ def serve(
     """One engine in its own process, running the variants the parent asks for.
 
     ``kind`` is ``vanilla`` (no plugin), ``instrumented`` (this project) or ``hotwire``
-    (hotwire-vllm's plugin alone, from ``peer["hotwire_dir"]``, which only this process sees)."""
+    (hotwire-vllm's plugin alone, from ``peer["hotwire_dir"]``, which only this process sees),
+    with ``@V1`` or ``@V2`` for the model runner it must use (``--runners``)."""
+    kind, _, runner = kind.partition("@")
+    if runner:  # before vLLM is imported: the runner is chosen from the environment
+        os.environ["VLLM_USE_V2_MODEL_RUNNER"] = "1" if runner == "V2" else "0"
     if kind == "vanilla":
         os.environ["VLLM_PLUGINS"] = ""  # before vLLM is imported: no plugin, ours included
     peer_info = prepare_hotwire(path, len(prompts), peer) if kind == "hotwire" else {}
@@ -260,6 +264,7 @@ def serve(
     if engine is not None:
         status = engine.status()
         info["buffer_bytes"] = status["buffer_bytes"]
+        info["runner"] = status["runner"]
         info["sites"] = len(status["sites"])
     conn.send(info)
     width = llm.llm_engine.vllm_config.model_config.get_hidden_size()
@@ -273,7 +278,8 @@ def serve(
         variant, new_tokens, options = message
         try:
             with sampled_by_py_spy(options.get("py_spy"), options.get("profile_to")):
-                result = run_variant(engine, llm, variant, new_tokens, prompts, vectors, layers, options)
+                result = run_variant(engine, llm, base_variant(variant), new_tokens, prompts, vectors, layers, options)
+            result["variant"] = variant
             result.update(token_stats(result.pop("token_ids"), vocab))  # the stats travel, not the ids
             conn.send(result)
         except Exception as err:  # report and keep serving: one failing variant must not lose the others
@@ -546,8 +552,16 @@ def random_sae(scratch: str, width: int, hook: str) -> str:
     return str(folder)
 
 
+def base_variant(variant: str) -> str:
+    """``steer@V2`` -> ``steer``: the work a variant does, without the model runner it runs on."""
+    return variant.partition("@")[0]
+
+
 def engine_for(variant: str) -> str:
-    return variant if variant in ("vanilla", "hotwire") else "instrumented"
+    """The engine that runs a variant: ``vanilla``, ``hotwire`` or ``instrumented``, with the
+    variant's ``@V1``/``@V2`` runner."""
+    base, at, runner = variant.partition("@")
+    return (base if base in ("vanilla", "hotwire") else "instrumented") + at + runner
 
 
 def variant_specs(
@@ -614,16 +628,27 @@ def main() -> int:
         help="on: each engine's front end and engine core on physical cores of their own, where the host "
         "has enough (cpu_pinning.py); off: the scheduler places them",
     )
+    parser.add_argument(
+        "--runners",
+        default=None,
+        help="V1,V2: every variant on both of vLLM's model runners, each in engines of its own, interleaved in "
+        "the same rounds and each compared with vanilla vLLM on the same runner (default: the runner vLLM picks)",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
     variants = args.variants.split(",")
-    kinds = [kind for kind in ("vanilla", "instrumented", "hotwire") if kind in map(engine_for, variants)]
+    if args.runners:
+        runners = args.runners.split(",")
+        if not set(runners) <= {"V1", "V2"}:
+            parser.error(f"--runners takes V1 and V2, not {args.runners}")
+        variants = [f"{variant}@{runner}" for runner in runners for variant in variants]
+    kinds = list(dict.fromkeys(map(engine_for, variants)))
     if "hotwire" in kinds and not (args.hotwire_dir and (Path(args.hotwire_dir) / "hotwire").is_dir()):
         parser.error("variant hotwire needs --hotwire-dir DIR holding hotwire-vllm (pip install --target DIR)")
     if not args.cpu and len(kinds) * args.gpu_memory_utilization > 0.95:
         parser.error(f"{len(kinds)} engines x --gpu-memory-utilization {args.gpu_memory_utilization} exceed the GPU")
-    with s3_server(any(STORED.get(variant) == "s3" for variant in variants)):
+    with s3_server(any(STORED.get(base_variant(variant)) == "s3" for variant in variants)):
         return measure(args, variants, kinds)
 
 
@@ -733,7 +758,9 @@ def write_summary(
     kept = ("seconds", "tok_s", "worker_steps", "worker_step_kinds", "worker_host_s", "phases_s", "pinned_host")
     kept += ("distinct_tokens", "unknown_token_share", "gpu", "procs")
     summary["runs"] = {v: [{k: r[k] for k in kept if k in r} for r in rs] for v, rs in results.items()}
-    instrumented = [runs[-1] for variant, runs in results.items() if engine_for(variant) == "instrumented" and runs]
+    instrumented = [
+        runs[-1] for variant, runs in results.items() if engine_for(variant).startswith("instrumented") and runs
+    ]
     if instrumented:
         summary["instrumented_worker_status"] = instrumented[-1]["worker"]
     text = json.dumps(summary, indent=1)
@@ -748,15 +775,16 @@ def agreement(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, A
     vanilla's and steer's, in the last run of each: whether a variant did the work it claims
     (a steered request should differ from vanilla; hotwire should follow steer, up to rounding)."""
     shares: dict[str, dict[str, Any]] = {}
-    for reference in ("vanilla", "steer"):
-        if not results.get(reference):
-            continue
-        base = results[reference][-1]["digests"]
+    for name in ("vanilla", "steer"):
         for variant, runs in results.items():
-            if variant == reference or not runs or len(runs[-1]["digests"]) != len(base):
+            reference = name + variant[len(base_variant(variant)) :]  # the same runner's
+            if variant == reference or not runs or not results.get(reference):
+                continue
+            base = results[reference][-1]["digests"]
+            if len(runs[-1]["digests"]) != len(base):
                 continue
             pairs = list(zip(runs[-1]["digests"], base, strict=True))
-            shares.setdefault(variant, {})[f"vs_{reference}"] = {
+            shares.setdefault(variant, {})[f"vs_{name}"] = {
                 "first_token": round(sum(a[0] == b[0] for a, b in pairs) / len(pairs), 4),
                 "output": round(sum(a == b for a, b in pairs) / len(pairs), 4),
             }
@@ -764,12 +792,14 @@ def agreement(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, A
 
 
 def table(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Median tokens/s per variant, spread (min-max), and the ratio to vanilla's median."""
-    base = statistics.median(r["tok_s"] for r in results["vanilla"]) if results.get("vanilla") else None
+    """Median tokens/s per variant, spread (min-max), and the ratio to the median of vanilla on the
+    same model runner."""
     rows = []
     for variant, runs in results.items():
         if not runs:
             continue
+        vanilla = results.get("vanilla" + variant[len(base_variant(variant)) :])
+        base = statistics.median(r["tok_s"] for r in vanilla) if vanilla else None
         speeds = [r["tok_s"] for r in runs]
         median = statistics.median(speeds)
         rows.append(
