@@ -19,6 +19,12 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
+SAME_ROWS = 1e-5
+"""Rows of two generate calls are the same rows within this, not bit for bit: the engine core takes
+requests one by one, so how many share a step depends on timing, and a CPU GEMM rounds a row
+differently in a batch of another size (seen on a loaded machine). Another row would be off by O(1)."""
+
+
 def test_batch_generation_is_deterministic_with_expected_shapes(tiny_engine):
     first = tiny_engine.generate(PROMPTS, max_tokens=6)
     started = time.perf_counter()
@@ -171,9 +177,9 @@ def test_prompt_captures_are_written_out_early_and_equal_the_full_capture(tiny_e
         assert early.token_ids == whole.token_ids
         for hook in hooks:
             assert early.positions[hook] == list(range(n)) and early.receipt["captures"][hook] == n
-            assert torch.equal(early.activations[hook], whole.activations[hook][:n]), hook
+            assert rel_err(early.activations[hook], whole.activations[hook][:n]) < SAME_ROWS, hook
             assert pair.positions[hook] == [0, n - 1]
-            assert torch.equal(pair.activations[hook], whole.activations[hook][[0, n - 1]]), hook
+            assert rel_err(pair.activations[hook], whole.activations[hook][[0, n - 1]]) < SAME_ROWS, hook
     assert not list(tiny_engine.core.instrumentation.handoff.path.glob("*.safetensors"))  # every file was taken
 
 
@@ -189,7 +195,7 @@ def test_late_writes_switch_keeps_prompt_captures_in_memory_with_the_same_rows(v
         for a, b in zip(got, want, strict=True):
             assert a.token_ids == b.token_ids and a.positions == b.positions
             for hook in hooks:
-                assert torch.equal(a.activations[hook], b.activations[hook]), hook
+                assert rel_err(a.activations[hook], b.activations[hook]) < SAME_ROWS, hook
 
 
 def test_reductions_match_per_token_rows(tiny_engine):
