@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import subprocess
@@ -134,6 +135,16 @@ def test_checks_fail_on_mismatching_data():
         "steering", {verify.FINAL: 0.2}, (2, 2), 1e-3, strict_tokens=True, what="x", effect=1e-4
     )
     assert not missed.ok and "ln_final: 2.0e-01 above 0.001" in missed.detail and "did not act" in missed.detail
+
+
+@pytest.mark.parametrize(("dtype", "on_cpu", "tolerance"), [("float32", True, 1e-3), ("float32", False, 5e-3),
+                                                          ("bfloat16", False, 5e-2)])  # fmt: skip
+def test_float32_on_a_gpu_compares_at_the_gpu_kernels_tolerance(dtype, on_cpu, tolerance):
+    parser = argparse.ArgumentParser()
+    verify.add_arguments(parser)
+    args = parser.parse_args(["--dtype", dtype])
+    checker = verify.Verifier(args, "unused", on_cpu=on_cpu)
+    assert checker.tolerance == tolerance and checker.isolation_tolerance == verify.ISOLATION_TOLERANCE[dtype]
 
 
 def test_environment_check_names_what_is_wrong():
