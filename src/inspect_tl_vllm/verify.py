@@ -547,8 +547,7 @@ class Verifier:
             self.attempt("environment", lambda: self.environment(engine, release, unsupported_vllm()))
             self.attempt("hooks_fire", lambda: self.hooks_fire(engine))
             self.attempt("isolation", lambda: self.isolation(engine))
-            # The eager engine boots beside the compiled one: a second engine booted in this process
-            # after the first one's shutdown hung on a GPU (vLLM 0.20.2, both runners).
+            # The eager engine runs beside the compiled one (each takes --gpu-memory-utilization).
             if self.compiled:
                 self.attempt("compiled_vs_eager", self.compiled_vs_eager)
             else:
