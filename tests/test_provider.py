@@ -386,6 +386,7 @@ def test_engine_death_fails_samples_clearly_and_the_next_eval_recovers(provider_
     samples = [Sample(id=f"during{i}", input=q) for i, q in enumerate(QUESTIONS[:2])]
     during = run_eval(tiny_llama_dir, provider_args, samples, tmp_path / "b", fail_on_error=False)
     assert all(s.error is not None and "the vLLM engine died" in s.error.message for s in during.samples)
+    assert all("was killed by SIGKILL" in s.error.message and "dmesg" in s.error.message for s in during.samples)
     assert [r.sample_id for r in activations.load(first)] == ["before"]  # completed work stays on disk
     after = run_eval(tiny_llama_dir, provider_args, [Sample(id="after", input=QUESTIONS[1])], tmp_path / "c")
     assert after.status == "success" and after.samples[0].output.completion

@@ -33,6 +33,7 @@ from inspect_ai.tool import ToolChoice, ToolInfo
 from inspect_tl_vllm.aliases import resolve_model
 from inspect_tl_vllm.engine import lifecycle
 from inspect_tl_vllm.engine.construct import InstrumentedLLM, cpu_defaults
+from inspect_tl_vllm.engine.exits import why_engine_died
 from inspect_tl_vllm.engine.frontend import CaptureResult, PreparedRequest, sampling_fields, vllm_prompt
 from inspect_tl_vllm.provider import carry_over as _carry_over  # noqa: F401 (registers the eval-retry hook)
 from inspect_tl_vllm.provider.active import ActiveSample, active_sample
@@ -132,9 +133,10 @@ class TLVLLMAPI(ModelAPI):
         try:
             results = await self.engine_thread.run(lambda: self._run_all(instrumented, prompt_ids, runs))
         except EngineDeadError as err:
+            why = await asyncio.to_thread(why_engine_died, instrumented.llm, self.engine_thread.oom_kills_at_boot)
             self.engine_thread.discard(instrumented)
             raise RuntimeError(
-                f"{where}: the vLLM engine died ({err}). Samples completed before this point kept their "
+                f"{where}: the vLLM engine died ({err}): {why}. Samples completed before this point kept their "
                 "activations on disk; finish the rest with `inspect eval-retry <log>` (a new engine boots)."
             ) from err
         output = self._model_output([final for final, _ in results], len(prompt_ids), tools, config)

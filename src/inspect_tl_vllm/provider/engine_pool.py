@@ -20,6 +20,7 @@ from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
 from inspect_tl_vllm.engine.construct import InstrumentedLLM, construct_instrumented_llm
+from inspect_tl_vllm.engine.exits import oom_kills
 from inspect_tl_vllm.engine.frontend import check_sites_landed, merge_status
 from inspect_tl_vllm.specs import InstrumentConfig
 
@@ -43,6 +44,7 @@ class EngineThread:
         self._tasks: set[asyncio.Task] = set()  # background work on the engine loop, kept referenced
         self.boots = 0
         self.boot_seconds = 0.0  # of the last boot; samples' times exclude it
+        self.oom_kills_at_boot: int | None = None  # the kernel's count then (engine/exits.py)
 
     @property
     def booted(self) -> bool:
@@ -70,6 +72,7 @@ class EngineThread:
             if self._instrumented is not None:
                 return
             self.boots += 1
+            self.oom_kills_at_boot = oom_kills()
             started = time.perf_counter()
             instrumented = construct_instrumented_llm(
                 self._model, instrument=self._instrument, async_engine=True, **self._kwargs
