@@ -268,6 +268,32 @@ def test_chat_rendering_continues_a_final_assistant_message_and_refuses_tools(pr
     assert custom.tokenizer.decode(custom._prompt_ids(messages[1:2], [])) == "[user] Capital of France?\n"
 
 
+def test_tools_a_chat_template_cannot_render_fail_before_the_engine_boots(provider_args, tiny_llama_dir, tmp_path):
+    from inspect_ai.solver import use_tools
+    from inspect_ai.tool import tool
+
+    from inspect_tl_vllm.provider import engine_pool
+
+    @tool
+    def add():
+        async def execute(x: int, y: int) -> int:
+            """Add two numbers.
+
+            Args:
+                x: The first number.
+                y: The second number.
+            """
+            return x + y
+
+        return execute
+
+    args = {**provider_args, "max_num_seqs": 7}  # an engine of this test's own: its boots are counted
+    task = Task(dataset=[Sample(id="t", input=QUESTIONS[0])], solver=[use_tools(add()), generate()])
+    log = eval(task, model=f"tl-vllm/{tiny_llama_dir}", model_args=args, log_dir=str(tmp_path), display="none")[0]
+    assert log.status == "error" and "does not render tool definitions" in log.error.message
+    assert engine_pool.engines()[engine_key(tiny_llama_dir, args)].boots == 0
+
+
 def test_unknown_model_arg_is_named(tiny_llama_dir):
     from inspect_tl_vllm import SpecError
     from inspect_tl_vllm.provider.api import TLVLLMAPI

@@ -112,11 +112,11 @@ class TLVLLMAPI(ModelAPI):
         tool_choice: ToolChoice,
         config: GenerateConfig,
     ) -> tuple[ModelOutput, ModelCall]:
-        instrumented = await self.engine_thread.instrumented()
         active = active_sample()
         where = f"sample {active.sample.id!r} (epoch {active.epoch})" if active else "request"
         spec = self._spec_for(active, config, where)
-        prompt_ids = self._prompt_ids(input, tools)
+        prompt_ids = self._prompt_ids(input, tools)  # a spec or chat that cannot work fails before the boot
+        instrumented = await self.engine_thread.instrumented()
         max_len = instrumented.llm.model_config.max_model_len
         if len(prompt_ids) >= max_len:
             raise SpecError(
