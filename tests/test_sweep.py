@@ -139,3 +139,62 @@ def test_sweep_refuses_a_control_count_out_of_range(controls, capsys):
 
     assert main(["sweep", "absent_task.py", "--controls", controls]) == 2
     assert f"--controls {controls} is out of range; give 0 to 1000 directions" in capsys.readouterr().err
+
+
+SWEEP_TASK = """
+from inspect_ai import Task, task
+from inspect_ai.dataset import Sample
+from inspect_ai.scorer import includes
+from inspect_ai.solver import generate, solver
+
+
+@solver
+def broken():
+    async def solve(state, generate):
+        raise RuntimeError("the engine ran out of memory")
+
+    return solve
+
+
+@task
+def point(coef: float = 0.0, layer: int = 1, control_seed: int | None = None, fail: bool = False):
+    samples = [Sample(id="a", input="Hi", target="x"), Sample(id="b", input="Bye", target="absent")]
+    return Task(dataset=samples, solver=broken() if fail else generate(), scorer=includes())
+"""
+
+
+@pytest.mark.engine
+def test_report_counts_a_rerun_point_once_and_lists_failed_points(vllm_ready, tiny_llama_dir, tmp_path, monkeypatch):
+    """Evals of sweep points on the tiny model: a point run twice counts each (sample, epoch)
+    once; a control direction whose eval failed is named in the table and report.json, not dropped
+    in silence; once rerun successfully it counts again."""
+    from inspect_ai import eval
+
+    from conftest import provider_model_args
+    from inspect_tl_vllm.research.sweep import report
+
+    (tmp_path / "task.py").write_text(SWEEP_TASK)
+    monkeypatch.chdir(tmp_path)
+    logs = tmp_path / "logs"
+
+    def run(**point):
+        with provider_model_args() as args:
+            model = f"tl-vllm/{tiny_llama_dir}"
+            return eval("task.py", task_args=point, model=model, model_args=args, log_dir=str(logs), display="none")[0]
+
+    assert run(coef=2.0, layer=1).status == "success"
+    assert run(coef=2.0, layer=1).status == "success"  # the same point again: not twice the samples
+    assert run(coef=2.0, layer=1, control_seed=5).status == "success"
+    assert run(coef=2.0, layer=1, control_seed=7, fail=True).status == "error"
+    table, _ = report(str(logs))
+    row = next(line.split(" | ") for line in table.splitlines() if line.startswith("| 1 | 2 |"))
+    assert row[2] == "2" and row[6].startswith("1 (+1 failed), ")
+    assert "- layer 1, coef 2, control seed 7: error: RuntimeError('the engine ran out of memory')" in table
+    saved = json.loads((logs / "report.json").read_text())["rows"][0]
+    assert saved["n"] == 2 and saved["controls"]["directions"] == 1
+    assert saved["controls_failed"][0]["seed"] == 7 and "out of memory" in saved["controls_failed"][0]["error"]
+
+    assert run(coef=2.0, layer=1, control_seed=7).status == "success"  # the failed point rerun
+    table, _ = report(str(logs))
+    row = next(line.split(" | ") for line in table.splitlines() if line.startswith("| 1 | 2 |"))
+    assert row[6].startswith("2, ") and "failed" not in table.split("\n\n")[0]

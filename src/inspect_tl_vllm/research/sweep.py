@@ -86,7 +86,8 @@ def is_degenerate(text: str) -> bool:
 
 @dataclass
 class Point:
-    """One eval's scores: the steering vector at a coefficient, or one control direction."""
+    """One eval's scores: the steering vector at a coefficient, or one control direction.
+    ``failed`` holds why its evals failed when none succeeded (its scores are then empty)."""
 
     coef: float
     layer: int | None
@@ -94,6 +95,7 @@ class Point:
     scores: list[float] = field(default_factory=list)
     fluency: list[float] = field(default_factory=list)
     degenerate: int = 0
+    failed: str | None = None
 
     @property
     def mean(self) -> float:
@@ -111,6 +113,11 @@ class Row:
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layer": self.layer, "coef": self.coef}
+        if self.steering is not None and self.steering.failed:
+            out["steering_failed"] = self.steering.failed
+        failed = [{"seed": c.seed, "error": c.failed} for c in self.controls if c.failed]
+        if failed:
+            out["controls_failed"] = failed
         if self.steering is not None and self.steering.scores:
             out["n"] = len(self.steering.scores)
             out["score"] = asdict(mean_interval(self.steering.scores))
@@ -138,29 +145,44 @@ class Row:
         return out
 
 
+PointKey = tuple[float, int | None, int | None]
+"""(coefficient, layer, control seed or None) of one sweep point."""
+
+
 def collect(log_dir: str) -> list[Row]:
-    """Scores per (layer, coefficient) from every successful log in ``log_dir``: the steering
-    vector's, and one entry per control direction (a direction's logs pool if it ran twice)."""
+    """Scores per (layer, coefficient) from the logs in ``log_dir``: the steering vector's, and one
+    entry per control direction.  A point that ran more than once counts each (sample, epoch) once,
+    from its newest successful log; a point none of whose logs succeeded is kept as failed."""
     from inspect_ai.log import list_eval_logs, read_eval_log
 
-    points: dict[tuple[float, int | None, int | None], Point] = {}
-    for info in list_eval_logs(log_dir):
-        log = read_eval_log(info)
-        if log.status != "success" or not log.samples:
-            continue
+    logs = [read_eval_log(info) for info in list_eval_logs(log_dir)]
+    logs.sort(key=lambda log: log.eval.created)  # oldest first: a newer log's sample replaces an older's
+    answers: dict[PointKey, dict[tuple[Any, int], tuple[float, list[float], bool]]] = {}
+    failures: dict[PointKey, str] = {}
+    for log in logs:
         args = log.eval.task_args or {}
-        key = (float(args.get("coef", 0.0)), args.get("layer"), args.get("control_seed"))
-        point = points.setdefault(key, Point(*key))
-        for sample in log.samples:
-            if not sample.scores:
-                continue
-            task_scores = {k: v for k, v in sample.scores.items() if not is_fluency_score(k)}
+        key: PointKey = (float(args.get("coef", 0.0)), args.get("layer"), args.get("control_seed"))
+        if log.status != "success":
+            failures[key] = f"{log.status}: {log.error.message if log.error else 'no error recorded'}"
+            continue
+        kept = answers.setdefault(key, {})
+        for sample in log.samples or []:
+            task_scores = {k: v for k, v in (sample.scores or {}).items() if not is_fluency_score(k)}
             if not task_scores:
                 continue
             value = next(iter(task_scores.values())).value
-            point.scores.append(float(value) if isinstance(value, int | float) else float(value == "C"))
-            point.fluency += [float(v.value) for k, v in sample.scores.items() if is_fluency_score(k)]
-            point.degenerate += is_degenerate(sample.output.completion)
+            score = float(value) if isinstance(value, int | float) else float(value == "C")
+            fluency = [float(v.value) for k, v in sample.scores.items() if is_fluency_score(k)]
+            kept[(sample.id, sample.epoch)] = (score, fluency, is_degenerate(sample.output.completion))
+    points: dict[PointKey, Point] = {}
+    for key in answers.keys() | failures.keys():
+        point = points[key] = Point(*key)
+        for score, fluency, degenerate in answers.get(key, {}).values():
+            point.scores.append(score)
+            point.fluency += fluency
+            point.degenerate += degenerate
+        if key not in answers:
+            point.failed = failures[key]
     rows: dict[tuple[int | None, float], Row] = {}
     for (coef, layer, seed), point in sorted(points.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0], kv[0][2] or 0)):
         row = rows.setdefault((layer, coef), Row(layer, coef, None, []))
@@ -177,7 +199,9 @@ METHOD = (
     "coefficient (one eval each; seeds in report.json); the control columns give the spread of their mean scores "
     "over directions, and p is the one-sided Monte Carlo p-value (1 + #directions scoring >= steering) / "
     "(directions + 1), whose smallest value is 1 / (directions + 1). Fluency is the unsteered model's mean "
-    "log-probability per answer token (the fluency() scorer); degenerate counts repetitive answers."
+    "log-probability per answer token (the fluency() scorer); degenerate counts repetitive answers. A point "
+    "that ran more than once counts each (sample, epoch) once, from its newest successful log; points whose "
+    "evals all failed are listed and left out (the control count and p-value use the directions that ran)."
 )
 
 
@@ -197,16 +221,34 @@ def report(log_dir: str) -> tuple[str, Path]:
         fluency = _interval(s.get("fluency"))
         degenerate = f"{s['degenerate']}/{s['n']}" if "n" in s else "—"
         controls = s.get("controls")
+        failed = f" (+{len(s['controls_failed'])} failed)" if "controls_failed" in s else ""
         if controls:
-            spread = f"{controls['directions']}, {controls['mean']:.3f} ({controls['min']:.3f}–{controls['max']:.3f})"
+            low, high = controls["min"], controls["max"]
+            spread = f"{controls['directions']}{failed}, {controls['mean']:.3f} ({low:.3f}–{high:.3f})"
             control_fluency = f"{controls['fluency']:.2f}" if "fluency" in controls else "—"
         else:
-            spread = control_fluency = "—"
+            spread, control_fluency = f"—{failed}", "—"
+        if "steering_failed" in s:
+            score = "failed"
         p = f"{s['p_value']:.3f}" if "p_value" in s else "—"
         lines.append(
             f"| {s['layer']} | {s['coef']:g} | {s.get('n', '—')} | {score} | {fluency} | {degenerate} | "
             f"{spread} | {control_fluency} | {p} |"
         )
+    failed = [
+        f"- layer {s['layer']}, coef {s['coef']:g}, {what}: {error}"
+        for s in summaries
+        for what, error in [("steering vector", s.get("steering_failed"))]
+        + [(f"control seed {c['seed']}", c["error"]) for c in s.get("controls_failed", [])]
+        if error
+    ]
+    if failed:
+        lines += [
+            "",
+            "Points whose evals all failed, left out of the rows above (rerun them with the same "
+            "`tl-vllm sweep` command, or `inspect eval-retry` on their logs, then report again):",
+            *failed,
+        ]
     table = "\n".join(lines) + "\n\n" + METHOD
     png = Path(log_dir) / "report.png"
     _plot(summaries, png, title=f"Steering sweep: {Path(log_dir).name}")
