@@ -4,8 +4,10 @@ measure it with stratified k-fold cross-validation beside a baseline and two con
     python evals/train_probe.py LOG.eval --hook blocks.12.hook_resid_post --out probe.safetensors
 
 Features: each sample's stored activations at ``--hook`` (mean over rows); labels: the first
-score of the sample (1 = correct).  Printed, each as accuracy over all out-of-fold predictions
-with a 95% Wilson interval, on the same folds:
+score of the sample (1 = correct).  The folds keep the epochs of a sample and samples with
+identical inputs on one side (grouped by input text), so no probe is scored on a record it was
+trained on.  Printed, each as accuracy over all out-of-fold predictions with a 95% Wilson interval,
+on the same folds:
 
 - probe: L2 strength chosen inside each training fold by an inner cross-validation (or ``--l2``);
 - majority baseline: each held-out fold predicted with its training fold's majority class;
@@ -33,6 +35,7 @@ from inspect_tl_vllm.research.probes import (
     cross_validate,
     majority_baseline,
     one_hot,
+    sample_groups,
     sample_metadata,
     save_probe,
     shuffled,
@@ -60,19 +63,21 @@ def main() -> int:
     records = [r for r in activations.load(eval_log) if args.hook in r.activations and r.scores]
     features = torch.stack([r.activations[args.hook].float().mean(0) for r in records])
     labels = torch.tensor([float(next(iter(r.scores.values())) in (1, 1.0, "C")) for r in records])
-    folds = stratified_folds(labels, args.folds, args.seed)
+    groups = sample_groups(eval_log, records)
+    folds = stratified_folds(labels, args.folds, args.seed, groups)
 
     def cv(x: torch.Tensor, y: torch.Tensor, splits: list[torch.Tensor]) -> OutOfFold:
-        return cross_validate(x, y, splits, l2=args.l2, seed=args.seed)
+        return cross_validate(x, y, splits, l2=args.l2, seed=args.seed, groups=groups)
 
     search = f"--l2 {args.l2:g}" if args.l2 is not None else f"L2 chosen by inner {args.folds}-fold CV over {L2_GRID}"
     print(f"probe: {len(records)} samples, {int(labels.sum())} correct, hook {args.hook}")
-    print(f"probe: {args.folds}-fold stratified cross-validation, seed {args.seed}; {search}")
-    if len({repr(r.sample_id) for r in records}) < len(records):
-        print("probe: note: the folds split records, not samples; epochs of one sample can be on both sides")
+    print(
+        f"probe: {args.folds}-fold stratified cross-validation over {len(set(groups))} distinct inputs, "
+        f"seed {args.seed}; {search}"
+    )
     rows = {"probe (activations)": cv(features, labels, folds), "majority baseline": majority_baseline(labels, folds)}
     permuted = shuffled(labels, args.seed)
-    rows["control: shuffled labels"] = cv(features, permuted, stratified_folds(permuted, args.folds, args.seed))
+    rows["control: shuffled labels"] = cv(features, permuted, stratified_folds(permuted, args.folds, args.seed, groups))
     values = sample_metadata(eval_log, records, args.control_metadata)
     if all(v is None for v in values):
         print(f"probe: no sample has metadata {args.control_metadata!r}; the metadata control is left out")
@@ -90,7 +95,7 @@ def main() -> int:
         if result.l2:
             print(f"L2 per fold, {name}: {', '.join(f'{v:g}' for v in result.l2)}")
 
-    l2 = args.l2 if args.l2 is not None else choose_l2(features, labels, L2_GRID, args.folds, args.seed)
+    l2 = args.l2 if args.l2 is not None else choose_l2(features, labels, L2_GRID, args.folds, args.seed, groups)
     weight, bias = train_probe(features, labels, l2=l2)
     save_probe(args.out, weight, bias, args.hook)
     print(f"\nprobe: trained on all {len(records)} samples with L2 {l2:g}, saved to {args.out}")

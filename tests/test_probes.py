@@ -27,6 +27,7 @@ from inspect_tl_vllm.research.probes import (
     shuffled,
     stratified_folds,
     train_probe,
+    training_indices,
 )
 from inspect_tl_vllm.specs import TAG, SpecError
 from inspect_tl_vllm.store.layout import UnsafePathError, write_sample
@@ -242,3 +243,49 @@ def test_train_probe_refuses_an_l2_out_of_range(l2: float) -> None:
     labels = torch.tensor([0.0, 1.0] * 4)
     with pytest.raises(SpecError, match="l2 must be within 0 and 1e6"):
         train_probe(features, labels, l2=l2)
+
+
+def test_grouped_folds_keep_each_group_on_one_side_and_stay_stratified():
+    y = torch.tensor([float(i % 3 == 0) for i in range(60)])
+    groups = [i // 2 for i in range(60)]  # two epochs per sample, labels shared within a sample
+    y = y[[2 * (i // 2) for i in range(60)]]
+    folds = stratified_folds(y, 5, seed=0, groups=groups)
+    assert sorted(torch.cat(folds).tolist()) == list(range(60))
+    for fold in folds:
+        inside = {groups[i] for i in fold.tolist()}
+        assert all(groups[i] not in inside for i in training_indices(60, fold).tolist())
+        assert 0 < y[fold].mean() < 1
+    assert [f.tolist() for f in stratified_folds(y, 5, seed=0, groups=list(range(60)))] == [
+        f.tolist() for f in stratified_folds(y, 5, seed=0)
+    ]  # one group per record: the record-level folds
+    with pytest.raises(SpecError, match="5 folds need at least 5 groups of each class; label 1 has 4"):
+        stratified_folds(torch.tensor([1.0] * 8 + [0.0] * 20), 5, groups=[i // 2 for i in range(28)])
+
+
+def test_grouped_folds_do_not_score_a_probe_on_the_records_it_was_trained_on():
+    """Noise labels, every sample twice (two epochs, identical features): folds over records put
+    one copy in training and the other in the held-out fold, and an unregularised probe scores far
+    above chance; folds over samples give chance, as they should."""
+    generator = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 48, generator=generator)
+    y = (torch.rand(40, generator=generator) > 0.5).float()
+    x2, y2, groups = x.repeat_interleave(2, 0), y.repeat_interleave(2), [i // 2 for i in range(80)]
+    leaky = cross_validate(x2, y2, stratified_folds(y2, 5, seed=0), l2=1e-4).accuracy().estimate
+    grouped = cross_validate(x2, y2, stratified_folds(y2, 5, seed=0, groups=groups), l2=1e-4).accuracy().estimate
+    assert leaky > 0.85 and grouped < 0.7, (leaky, grouped)
+
+
+def test_sample_groups_join_epochs_and_identical_inputs():
+    from inspect_tl_vllm.research.probes import sample_groups
+
+    samples = [
+        SimpleNamespace(id="a", epoch=1, input="What is 3 times 4?"),
+        SimpleNamespace(id="a", epoch=2, input="What is 3 times 4?"),
+        SimpleNamespace(id="b", epoch=1, input="What is 3 times 4?"),
+        SimpleNamespace(id="c", epoch=1, input="Name a colour."),
+    ]
+    log = SimpleNamespace(samples=samples)
+    records = [SimpleNamespace(sample_id=s.id, epoch=s.epoch) for s in samples]
+    records.append(SimpleNamespace(sample_id="gone", epoch=1))  # not in the log: its id alone
+    keys = sample_groups(log, records)
+    assert keys[0] == keys[1] == keys[2] != keys[3] and keys[4] == "id:'gone'"

@@ -96,3 +96,9 @@ def test_every_question_has_a_category_that_inspect_reads_into_the_sample_metada
             assert re.fullmatch(r"-?\d+", row["target"]), row
     samples = json_dataset(str(DATA))
     assert [s.metadata["category"] for s in samples] == [r["metadata"]["category"] for r in data]
+
+
+def test_no_two_questions_share_an_input():
+    """A repeated question would sit in a probe's training and held-out folds at once."""
+    inputs = [row["input"] for row in rows()]
+    assert len(set(inputs)) == len(inputs), sorted({q for q in inputs if inputs.count(q) > 1})

@@ -5,7 +5,8 @@ A probe file is safetensors with ``weight`` (hidden size) and ``bias`` (scalar) 
 hook point (mean over rows if per token) and scores ``sigmoid(weight . x + bias)``.
 
 Measuring a probe: ``cross_validate`` gives every sample a prediction from a probe that never
-saw it, over stratified folds, with the L2 strength chosen inside each training fold (an inner
+saw it, over stratified folds that keep a sample's epochs and identical inputs together
+(``stratified_folds`` with ``groups``), with the L2 strength chosen inside each training fold (an inner
 cross-validation, ``choose_l2``), so that neither the weights nor the L2 choice has seen the
 held-out fold.  Beside it, ``majority_baseline`` (each fold predicted with its training fold's
 majority class), a probe on permuted labels (``shuffled``: what the procedure finds in noise)
@@ -14,7 +15,8 @@ and a probe on a one-hot of sample metadata (``one_hot``: what the question's ki
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -79,26 +81,41 @@ class OutOfFold:
         return wilson_interval(self.correct, len(self.labels))
 
 
-def stratified_folds(labels: torch.Tensor, k: int = 5, seed: int = 0) -> list[torch.Tensor]:
+def stratified_folds(
+    labels: torch.Tensor, k: int = 5, seed: int = 0, groups: Sequence[Hashable] | None = None
+) -> list[torch.Tensor]:
     """``k`` held-out index sets that partition the samples, each with about the same share of
     each class: every class is shuffled with ``seed`` and the classes, one after the other, are
     dealt to the folds in turn.  Each class needs at least ``k`` samples, so that every fold holds
-    both classes and every training fold can fit a probe."""
+    both classes and every training fold can fit a probe.
+
+    With ``groups`` (one key per sample) the groups are dealt instead, whole: records that share a
+    key (epochs of one sample, samples with identical inputs) never sit on both sides of a split,
+    where a probe would be scored on what it was trained on.  A group's class is its majority label."""
     y = labels.float()
     if k < 2:
         raise SpecError(f"stratified_folds: need at least 2 folds, got {k}")
+    keys = list(range(len(y))) if groups is None else list(groups)
+    if len(keys) != len(y):
+        raise SpecError(f"stratified_folds: {len(keys)} group keys for {len(y)} samples")
+    members: dict[Hashable, list[int]] = {}
+    for index, key in enumerate(keys):
+        members.setdefault(key, []).append(index)
+    units = list(members.values())
+    unit_label = torch.tensor([float(y[unit].mean() >= 0.5) for unit in units])
+    what = "samples" if groups is None else "groups"
     generator = torch.Generator().manual_seed(seed)
     order = []
     for value in (0.0, 1.0):
-        members = torch.nonzero(y == value).flatten()
-        if len(members) < k:
+        chosen = torch.nonzero(unit_label == value).flatten()
+        if len(chosen) < k:
             raise SpecError(
-                f"stratified_folds: {k} folds need at least {k} samples of each class; "
-                f"label {int(value)} has {len(members)}"
+                f"stratified_folds: {k} folds need at least {k} {what} of each class; "
+                f"label {int(value)} has {len(chosen)}"
             )
-        order.append(members[torch.randperm(len(members), generator=generator)])
-    dealt = torch.cat(order)
-    return [dealt[i::k].sort().values for i in range(k)]
+        order.append(chosen[torch.randperm(len(chosen), generator=generator)])
+    dealt = torch.cat(order).tolist()
+    return [torch.tensor(sorted(i for u in dealt[f::k] for i in units[u]), dtype=torch.long) for f in range(k)]
 
 
 def training_indices(n: int, held_out: torch.Tensor) -> torch.Tensor:
@@ -114,13 +131,19 @@ def predict(features: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) ->
 
 
 def choose_l2(
-    features: torch.Tensor, labels: torch.Tensor, grid: Sequence[float] = L2_GRID, folds: int = 5, seed: int = 0
+    features: torch.Tensor,
+    labels: torch.Tensor,
+    grid: Sequence[float] = L2_GRID,
+    folds: int = 5,
+    seed: int = 0,
+    groups: Sequence[Hashable] | None = None,
 ) -> float:
-    """The L2 strength in ``grid`` with the best cross-validated accuracy on these samples alone.
+    """The L2 strength in ``grid`` with the best cross-validated accuracy on these samples alone
+    (inner folds grouped by ``groups`` as the outer ones are).
 
     Called with a training fold only, it keeps the held-out fold out of the choice.  Ties go to
     the stronger L2, the simpler probe."""
-    splits = stratified_folds(labels, folds, seed)
+    splits = stratified_folds(labels, folds, seed, groups)
     scores = {l2: cross_validate(features, labels, splits, l2=l2).accuracy().estimate for l2 in grid}
     return max(sorted(grid, reverse=True), key=lambda l2: scores[l2])
 
@@ -132,16 +155,19 @@ def cross_validate(
     l2: float | None = None,
     grid: Sequence[float] = L2_GRID,
     seed: int = 0,
+    groups: Sequence[Hashable] | None = None,
 ) -> OutOfFold:
     """Out-of-fold predictions of a logistic probe: for each held-out fold, a probe trained on the
     other folds.  ``l2=None`` chooses the L2 strength per fold with ``choose_l2`` on that fold's
-    training samples (inner folds as many as the outer ones, ``seed`` for their shuffle)."""
+    training samples (inner folds as many as the outer ones, ``seed`` for their shuffle, grouped
+    by the training samples' ``groups``)."""
     x, y = features.float(), labels.float()
     predictions = torch.full_like(y, float("nan"))
     chosen = []
     for held in folds:
         train = training_indices(len(y), held)
-        strength = choose_l2(x[train], y[train], grid, len(folds), seed) if l2 is None else l2
+        inner = None if groups is None else [groups[i] for i in train.tolist()]
+        strength = choose_l2(x[train], y[train], grid, len(folds), seed, inner) if l2 is None else l2
         weight, bias = train_probe(x[train], y[train], l2=strength)
         predictions[held] = predict(x[held], weight, bias)
         chosen.append(strength)
@@ -179,6 +205,21 @@ def one_hot(values: Sequence[Any]) -> tuple[torch.Tensor, list[str]]:
     for row, value in enumerate(values):
         features[row, column[str(value)]] = 1.0
     return features, names
+
+
+def sample_groups(eval_log: Any, records: Sequence[Any]) -> list[str]:
+    """One fold-grouping key per record: its sample's input text, so that the epochs of a sample
+    and samples with identical inputs land in the same fold (the sample id where the log lacks it)."""
+    inputs = {(repr(s.id), int(s.epoch)): s.input for s in eval_log.samples or []}
+    keys = []
+    for record in records:
+        value = inputs.get((repr(record.sample_id), int(record.epoch)))
+        if value is None:
+            keys.append(f"id:{record.sample_id!r}")
+        else:
+            text = value if isinstance(value, str) else json.dumps([m.model_dump() for m in value], sort_keys=True)
+            keys.append(f"input:{text}")
+    return keys
 
 
 def sample_metadata(eval_log: Any, records: Sequence[Any], field: str) -> list[Any]:
