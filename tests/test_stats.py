@@ -70,3 +70,13 @@ def test_control_p_value_counts_directions_at_least_as_good() -> None:
     assert control_p_value(0.0, [0.0, 0.0]) == 1.0
     with pytest.raises(ValueError, match="no control"):
         control_p_value(0.5, [])
+
+
+def test_holm_adjustment_matches_the_step_down_rule():
+    from inspect_tl_vllm.research.stats import holm_adjusted
+
+    # four coefficients each at the smallest p 19 controls allow: 0.05 becomes 0.2
+    assert holm_adjusted([0.05] * 4) == pytest.approx([0.2] * 4)
+    # statsmodels' multipletests(method="holm") gives 0.03, 0.06, 0.06, 0.02 for these
+    assert holm_adjusted([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
+    assert holm_adjusted([0.5, 0.6]) == [1.0, 1.0] and holm_adjusted([]) == []

@@ -193,6 +193,7 @@ def test_report_counts_a_rerun_point_once_and_lists_failed_points(vllm_ready, ti
     table, _ = report(str(logs))
     row = next(line.split(" | ") for line in table.splitlines() if line.startswith("| 1 | 2 |"))
     assert row[2] == "2" and row[6].startswith("1 (+1 failed), ")
+    assert "| p | p, Holm over 1 |" in table and row[9].rstrip(" |") == row[8]  # one tested row: no adjustment
     assert "- layer 1, coef 2, control seed 7: error: RuntimeError('the engine ran out of memory')" in table
     saved = json.loads((logs / "report.json").read_text())["rows"][0]
     assert saved["n"] == 2 and saved["controls"]["directions"] == 1

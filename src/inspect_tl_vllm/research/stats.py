@@ -72,3 +72,17 @@ def control_p_value(steering: float, controls: list[float]) -> float:
     if not controls:
         raise ValueError("control_p_value: no control scores")
     return (1 + sum(c >= steering for c in controls)) / (len(controls) + 1)
+
+
+def holm_adjusted(p_values: list[float]) -> list[float]:
+    """Holm's step-down adjustment of ``p_values`` (in their order): the k-th smallest is multiplied
+    by (m - k + 1), capped at 1 and made non-decreasing.  It bounds the chance of any false
+    positive among the m tests, whatever their dependence."""
+    m = len(p_values)
+    order = sorted(range(m), key=lambda i: p_values[i])
+    adjusted = [0.0] * m
+    running = 0.0
+    for rank, i in enumerate(order):
+        running = max(running, min(1.0, (m - rank) * p_values[i]))
+        adjusted[i] = running
+    return adjusted

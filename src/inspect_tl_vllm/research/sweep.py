@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from inspect_tl_vllm.research.fluency import is_fluency_score
-from inspect_tl_vllm.research.stats import bootstrap_interval, control_p_value, mean_interval
+from inspect_tl_vllm.research.stats import bootstrap_interval, control_p_value, holm_adjusted, mean_interval
 
 
 def control_seed(layer: int, coef: float, index: int) -> int:
@@ -202,7 +202,9 @@ METHOD = (
     "(directions + 1). Fluency is the unsteered model's mean log-probability per answer token (the fluency() "
     "scorer); degenerate counts repetitive answers. A point that ran more than once counts each (sample, "
     "epoch) once, from its newest successful log; points whose evals all failed are listed and left out (the "
-    "control count and p-value use the directions that ran)."
+    "control count and p-value use the directions that ran). The last column adjusts p over every tested "
+    "(layer, coefficient) row by Holm's step-down method, which bounds the chance of any false positive "
+    "among them."
 )
 
 
@@ -212,10 +214,13 @@ def report(log_dir: str) -> tuple[str, Path]:
     if not rows:
         raise FileNotFoundError(f"no successful eval logs in {log_dir}")
     summaries = [row.summary() for row in rows]
+    tested = [s for s in summaries if "p_value" in s]
+    for s, adjusted in zip(tested, holm_adjusted([s["p_value"] for s in tested]), strict=True):
+        s["p_holm"] = adjusted
     lines = [
         "| layer | coef | n | steering score [95% CI] | fluency [95% CI] | degenerate | "
-        "controls: directions, mean score (min–max) | control fluency | p |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"controls: directions, mean score (min–max) | control fluency | p | p, Holm over {len(tested)} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         score = _interval(s.get("score"))
@@ -232,9 +237,10 @@ def report(log_dir: str) -> tuple[str, Path]:
         if "steering_failed" in s:
             score = "failed"
         p = f"{s['p_value']:.3f}" if "p_value" in s else "—"
+        holm = f"{s['p_holm']:.3f}" if "p_holm" in s else "—"
         lines.append(
             f"| {s['layer']} | {s['coef']:g} | {s.get('n', '—')} | {score} | {fluency} | {degenerate} | "
-            f"{spread} | {control_fluency} | {p} |"
+            f"{spread} | {control_fluency} | {p} | {holm} |"
         )
     failed = [
         f"- layer {s['layer']}, coef {s['coef']:g}, {what}: {error}"
