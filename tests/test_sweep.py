@@ -79,6 +79,17 @@ def test_report_row_tests_steering_against_the_control_spread():
     assert summary["controls"]["sd"] == 0.0 and summary["p_value"] == pytest.approx(1 / 5)
 
 
+def test_a_bootstrap_over_five_values_or_fewer_is_flagged():
+    from inspect_tl_vllm.research.sweep import Point, Row
+
+    few = Row(1, 2.0, Point(2.0, 1, None, scores=[0.2, 0.5, 0.7], fluency=[-1.0, -2.0, -1.5]), []).summary()
+    assert few["too_few_for_bootstrap"] == ["score", "fluency"]
+    binary = Row(1, 2.0, Point(2.0, 1, None, scores=[1.0, 0.0, 1.0]), []).summary()  # Wilson: no flag
+    assert "too_few_for_bootstrap" not in binary
+    enough = Row(1, 2.0, Point(2.0, 1, None, scores=[0.1 * i for i in range(6)]), []).summary()
+    assert "too_few_for_bootstrap" not in enough
+
+
 @pytest.mark.engine
 def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_path, monkeypatch):
     from safetensors.torch import save_file
@@ -132,6 +143,7 @@ def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_pat
     assert rows["0"][2] == "2" and rows["0"][6] == "—"  # the unsteered point has no controls
     assert rows["2"][2] == "2" and rows["2"][6].startswith("1, ") and rows["2"][8] != "—"
     assert float(rows["2"][4].split(" [")[0]) < 0  # fluency: a mean log-probability
+    assert "too narrow (they cover the mean less often than 95%); run more samples for: layer 1, coef 0;" in table
     saved = json.loads((tmp_path / "logs" / "report.json").read_text())
     assert saved["method"].startswith("Intervals are 95%: Wilson")
     assert saved["rows"][1]["controls"]["seeds"] == [control_seed(1, 2.0, 0)]

@@ -19,6 +19,9 @@ import numpy as np
 
 Z95 = 1.959963984540054  # the standard normal's 97.5% quantile
 BOOTSTRAP_RESAMPLES = 10_000
+SMALL_BOOTSTRAP_N = 5
+"""At this many values or fewer a percentile bootstrap interval of the mean is too narrow (it
+covers the true mean well below 95% of the time); reports say so beside it."""
 
 
 @dataclass(frozen=True)

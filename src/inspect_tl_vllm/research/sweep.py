@@ -12,7 +12,13 @@ from pathlib import Path
 from typing import Any
 
 from inspect_tl_vllm.research.fluency import is_fluency_score
-from inspect_tl_vllm.research.stats import bootstrap_interval, control_p_value, holm_adjusted, mean_interval
+from inspect_tl_vllm.research.stats import (
+    SMALL_BOOTSTRAP_N,
+    bootstrap_interval,
+    control_p_value,
+    holm_adjusted,
+    mean_interval,
+)
 
 
 def control_seed(layer: int, coef: float, index: int) -> int:
@@ -124,6 +130,15 @@ class Row:
             out["degenerate"] = self.steering.degenerate
             if self.steering.fluency:
                 out["fluency"] = asdict(bootstrap_interval(self.steering.fluency))
+            small = [
+                name
+                for name, values in (("score", self.steering.scores), ("fluency", self.steering.fluency))
+                if name in out
+                and out[name]["method"].startswith("percentile bootstrap")
+                and len(values) <= SMALL_BOOTSTRAP_N
+            ]
+            if small:
+                out["too_few_for_bootstrap"] = small
         means = [c.mean for c in self.controls if c.scores]
         if means:
             out["controls"] = {
@@ -249,6 +264,13 @@ def report(log_dir: str) -> tuple[str, Path]:
         + [(f"control seed {c['seed']}", c["error"]) for c in s.get("controls_failed", [])]
         if error
     ]
+    small = [f"layer {s['layer']}, coef {s['coef']:g}" for s in summaries if "too_few_for_bootstrap" in s]
+    if small:
+        lines += [
+            "",
+            f"Bootstrap intervals of {SMALL_BOOTSTRAP_N} or fewer values are too narrow (they cover the mean less "
+            f"often than 95%); run more samples for: {'; '.join(small)}.",
+        ]
     if failed:
         lines += [
             "",
