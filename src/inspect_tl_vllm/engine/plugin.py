@@ -112,9 +112,9 @@ def untested_vllm() -> str | None:
     if installed is None or not in_range(installed) or release_tuple(installed) <= release_tuple(RUN_UP_TO):
         return None
     return (
-        f"vLLM {installed} is newer than the releases tl-vllm's tests run ({VLLM_RANGE[0]} to {RUN_UP_TO}): its "
-        "source has every method and field tl-vllm wraps, but run `tl-vllm verify` once on this machine to check "
-        "hooks, steering, isolation and captures for real"
+        f"vLLM {installed} is newer than the releases tl-vllm's tests run ({VLLM_RANGE[0]} to {RUN_UP_TO}): the "
+        "internals it wraps were only read in the source of released wheels, never run; run `tl-vllm "
+        "verify` once on this machine to check hooks, steering, isolation and captures for real"
     )
 
 
