@@ -22,7 +22,7 @@ def random_like(vector_ref: str, seed: int) -> str:
 
 def random_like_vector(source: Any, seed: int) -> str:
     """Path of a safetensors file holding a random vector with the norm of the tensor ``source``
-    (an SAE feature's decoder row, say), drawn from ``seed`` and ``source``'s content hash."""
+    (an SAE feature's decoder row, say)."""
     import torch
     from safetensors.torch import save_file
 
@@ -30,10 +30,7 @@ def random_like_vector(source: Any, seed: int) -> str:
     digest = hashlib.sha256(source.numpy().tobytes()).hexdigest()[:16]
     path = cache_root() / "controls" / f"{digest}-seed{seed}.safetensors"
     if not path.is_file():
-        # The draw depends on the vector as well as the seed: two vectors' sweeps with the same
-        # seeds get different control directions, so their controls are independent of each other.
-        draw = int(hashlib.sha256(f"{digest}:{seed}".encode()).hexdigest()[:15], 16)
-        generator = torch.Generator().manual_seed(draw)
+        generator = torch.Generator().manual_seed(seed)
         direction = torch.randn(source.numel(), generator=generator)
         control = direction / direction.norm() * source.norm()
         path.parent.mkdir(parents=True, exist_ok=True)

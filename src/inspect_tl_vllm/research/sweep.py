@@ -211,7 +211,7 @@ def collect(log_dir: str) -> list[Row]:
 METHOD = (
     "Intervals are 95%: Wilson score intervals for 0/1 scores, percentile bootstrap (10,000 resamples, seed "
     "0) of the mean otherwise. Controls are random directions with the vector's norm, drawn independently at "
-    "each coefficient from a seed and the vector's content hash (one eval each; seeds in report.json); the "
+    "each coefficient (one eval each; seeds in report.json); the "
     "control columns give the spread of their mean scores over directions, and p is the one-sided Monte Carlo"
     " p-value (1 + #directions scoring >= steering) / (directions + 1), whose smallest value is 1 / "
     "(directions + 1). Fluency is the unsteered model's mean log-probability per answer token (the fluency() "
