@@ -258,6 +258,8 @@ def test_grouped_folds_keep_each_group_on_one_side_and_stay_stratified():
     assert [f.tolist() for f in stratified_folds(y, 5, seed=0, groups=list(range(60)))] == [
         f.tolist() for f in stratified_folds(y, 5, seed=0)
     ]  # one group per record: the record-level folds
+    with pytest.raises(SpecError, match="stratified_folds: 3 group keys for 60 samples"):
+        stratified_folds(y, 5, groups=[0, 1, 2])
     with pytest.raises(SpecError, match="5 folds need at least 5 groups of each class; label 1 has 4"):
         stratified_folds(torch.tensor([1.0] * 8 + [0.0] * 20), 5, groups=[i // 2 for i in range(28)])
 
