@@ -557,6 +557,12 @@ def base_variant(variant: str) -> str:
     return variant.partition("@")[0]
 
 
+def on_runner_of(name: str, variant: str) -> str:
+    """Variant ``name`` on ``variant``'s model runner: ``vanilla``, ``steer@V2`` -> ``vanilla@V2``."""
+    _, at, runner = variant.partition("@")
+    return name + at + runner
+
+
 def engine_for(variant: str) -> str:
     """The engine that runs a variant: ``vanilla``, ``hotwire`` or ``instrumented``, with the
     variant's ``@V1``/``@V2`` runner."""
@@ -777,7 +783,7 @@ def agreement(results: dict[str, list[dict[str, Any]]]) -> dict[str, dict[str, A
     shares: dict[str, dict[str, Any]] = {}
     for name in ("vanilla", "steer"):
         for variant, runs in results.items():
-            reference = name + variant[len(base_variant(variant)) :]  # the same runner's
+            reference = on_runner_of(name, variant)
             if variant == reference or not runs or not results.get(reference):
                 continue
             base = results[reference][-1]["digests"]
@@ -798,7 +804,7 @@ def table(results: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
     for variant, runs in results.items():
         if not runs:
             continue
-        vanilla = results.get("vanilla" + variant[len(base_variant(variant)) :])
+        vanilla = results.get(on_runner_of("vanilla", variant))
         base = statistics.median(r["tok_s"] for r in vanilla) if vanilla else None
         speeds = [r["tok_s"] for r in runs]
         median = statistics.median(speeds)
