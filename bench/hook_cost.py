@@ -33,8 +33,8 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def make_runtime(args: argparse.Namespace, dtype: torch.dtype) -> HookRuntime:
     return HookRuntime(
-        site_indices=list(range(args.sites)),
-        hidden_size=args.width,
+        site_widths=dict.fromkeys(range(args.sites), args.width),
+        bank_width=args.width,
         max_tokens=max(args.rows, 8192),  # as large as vLLM's batch buffers, so a copy of them would show
         max_stack=2,
         max_vectors=8,

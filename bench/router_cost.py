@@ -89,8 +89,8 @@ def states(workload: str, count: int, site: int, encoder: Any = None) -> list[Re
 def run(workload: str, args: argparse.Namespace, device: torch.device) -> list[tuple[float, float]]:
     """Per decode step: (wall seconds, this thread's CPU seconds)."""
     runtime = HookRuntime(
-        site_indices=list(range(args.sites)),
-        hidden_size=args.width,
+        site_widths=dict.fromkeys(range(args.sites), args.width),
+        bank_width=args.width,
         max_tokens=max(args.requests * PROMPT_LEN, 8192),
         max_stack=1,
         max_vectors=args.requests,

@@ -160,7 +160,8 @@ def cpu_hook_runtime(hidden_size: int, *, sites: tuple[int, ...] = (0,), max_sta
     from inspect_tl_vllm.instrument.runtime import HookRuntime
 
     return HookRuntime(
-        site_indices=list(sites), hidden_size=hidden_size, max_tokens=max_tokens, max_stack=max_stack, max_vectors=1,
+        site_widths=dict.fromkeys(sites, hidden_size), bank_width=hidden_size, max_tokens=max_tokens,
+        max_stack=max_stack, max_vectors=1,
         device=torch.device("cpu"), act_dtype=torch.float32,
     )  # fmt: skip
 

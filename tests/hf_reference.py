@@ -76,3 +76,57 @@ def hf_greedy(
         if handle is not None:
             handle.remove()
     return out[0, len(token_ids) :].tolist()
+
+
+def hf_inner_activations(model, token_ids: list[int]) -> dict[str, torch.Tensor]:
+    """The per-head and neuron hook points' values for one forward over ``token_ids``, shaped as
+    the engine returns them ([pos, head, d_head] and [pos, d_mlp]).
+
+    hook_q / hook_k: q_proj / k_proj; hook_rot_q / hook_rot_k: what ``apply_rotary_pos_emb`` returns;
+    hook_v: v_proj; hook_z: the input of o_proj; mlp.hook_pre: gate_proj; mlp.hook_post: the input
+    of down_proj."""
+    import sys
+
+    acts: dict[str, torch.Tensor] = {}
+    handles = []
+    d_head = model.config.head_dim
+    modeling = sys.modules[type(model).__module__]
+    rotary = modeling.apply_rotary_pos_emb
+    rotated: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def record_rotary(q, k, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
+        out = rotary(q, k, *args, **kwargs)
+        rotated.append(out)
+        return out
+
+    def by_head(x: torch.Tensor) -> torch.Tensor:
+        return x[0].reshape(x.shape[1], -1, d_head)
+
+    def keep(name: str, heads: bool, pre: bool = False) -> Callable:
+        shape = by_head if heads else (lambda x: x[0])
+        if pre:
+            return lambda mod, args: acts.__setitem__(name, shape(args[0]))
+        return lambda mod, args, out: acts.__setitem__(name, shape(out))
+
+    for i, layer in enumerate(model.model.layers):
+        attn, mlp = layer.self_attn, layer.mlp
+        handles += [
+            attn.q_proj.register_forward_hook(keep(f"blocks.{i}.attn.hook_q", True)),
+            attn.k_proj.register_forward_hook(keep(f"blocks.{i}.attn.hook_k", True)),
+            attn.v_proj.register_forward_hook(keep(f"blocks.{i}.attn.hook_v", True)),
+            attn.o_proj.register_forward_pre_hook(keep(f"blocks.{i}.attn.hook_z", True, pre=True)),
+            mlp.gate_proj.register_forward_hook(keep(f"blocks.{i}.mlp.hook_pre", False)),
+            mlp.down_proj.register_forward_pre_hook(keep(f"blocks.{i}.mlp.hook_post", False, pre=True)),
+        ]
+    modeling.apply_rotary_pos_emb = record_rotary
+    try:
+        with torch.no_grad():
+            model(torch.tensor([token_ids]))
+    finally:
+        modeling.apply_rotary_pos_emb = rotary
+        for handle in handles:
+            handle.remove()
+    for i, (q, k) in enumerate(rotated):  # [batch, head, pos, d_head], one call per layer
+        acts[f"blocks.{i}.attn.hook_rot_q"] = q[0].transpose(0, 1)
+        acts[f"blocks.{i}.attn.hook_rot_k"] = k[0].transpose(0, 1)
+    return acts

@@ -67,7 +67,7 @@ def test_features_of_two_requests_over_chunked_steps(monkeypatch, reduce: str, s
         router.end_step()
     router.drain()
     router.snapshot([a, b])
-    packer = ResultPacker(WIDTH)
+    packer = ResultPacker({0: WIDTH})
     indices_key, values_key = sae_keys("h")
     kept_a = ra[:4] if spurious else ra
     for state, rows, max_pos in ((a, kept_a, 3 if spurious else 4), (b, rb, 2)):
@@ -102,7 +102,7 @@ def test_features_that_are_not_finite_fail_their_request_only() -> None:
     router.end_step()
     router.drain()
     router.snapshot([bad, good])
-    packer = ResultPacker(WIDTH)
+    packer = ResultPacker({0: WIDTH})
     assert (
         packer.pack(bad, 1, folder=None).receipt.error == "the SAE features captured at h are not finite (NaN or inf)"
     )

@@ -95,7 +95,7 @@ def test_decode_steps_that_repeat_the_last_ones_requests_fold_every_row(reduce: 
 
 
 def steered_state(uid: str, prompt_len: int) -> RequestState:
-    stage_row = np.array([1.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=np.float32)  # add bank row 1, coef 2
+    stage_row = np.array([1.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=np.float32)  # add bank row 1, coef 2
     item = SteerItem(index=0, label="add", site=0, stage=0, stage_row=stage_row, scope=Scope.resolve("all", prompt_len))
     return RequestState(uid=uid, prompt_len=prompt_len, steer=[item], capture=[])
 

@@ -271,7 +271,9 @@ def test_the_capture_memory_cap_counts_what_an_sae_capture_keeps_on_the_host(tmp
     from inspect_tl_vllm.specs import InstrumentConfig
 
     saved_sae(tmp_path / "sae", "jumprelu")
-    config = SimpleNamespace(architectures=["LlamaForCausalLM"], num_hidden_layers=3, hidden_size=WIDTH)
+    config = SimpleNamespace(
+        architectures=["LlamaForCausalLM"], num_hidden_layers=3, hidden_size=WIDTH, num_attention_heads=2
+    )
     front = Instrumentation(config, InstrumentConfig(capture_bytes_per_request=4096))
     sae = str(tmp_path / "sae")
 

@@ -23,16 +23,19 @@ CHECK = textwrap.dedent(
     from inspect_tl_vllm.instrument.site_op import reference
 
     torch.manual_seed(0)
-    # width not a power of two: the masked tail is exercised
-    rows, width, stack = 11, 72, 2
-    bank = torch.zeros(5, width)
-    bank[1:] = torch.randn(4, width)
-    bank[3] /= bank[3].norm()
+    # width not a power of two: the masked tail is exercised; the bank is wider than this site
+    # (a wider site elsewhere in the model), so the site reads the first ``width`` numbers of a row
+    rows, width, stack = 13, 72, 2
+    bank = torch.zeros(6, 80)
+    bank[1:5] = torch.randn(4, 80)
+    bank[3] /= bank[3, :width].norm()
     bank[4] /= 4  # an encoder column: feature activations of a few units
-    table = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]).repeat(16, stack, 1)
+    bank[5, 8:24] = 1.0  # the columns of two heads (a 0/1 mask row)
+    bank[5, 48:56] = 1.0
+    table = torch.tensor([0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]).repeat(16, stack, 1)
 
     def stage(*values):
-        return torch.tensor([*values, *[0.0] * (8 - len(values))])
+        return torch.tensor([*values, *[0.0] * (9 - len(values))])
 
     table[1, 0] = stage(1, 1.0, 3.0, 0.0)   # add
     table[2, 0] = stage(0, 2.5, 0.0, 0.0)   # scale
@@ -42,12 +45,16 @@ CHECK = textwrap.dedent(
     table[5, 1] = stage(3, 1.0, 0.0, 1.0)
     table[9, 1] = stage(1, 1.0, 1.5, 0.0, 4, 0.25, 0.0, 1.0)   # clamp feature (W_dec 1, W_enc 4) to 1.5
     table[10, 0] = stage(4, 1.0, 0.5, 0.0, 4, 3.0, 0.3, 0.0)  # add a feature, JumpReLU threshold 0.3
+    table[11, 0] = stage(0, 0.0, 0.0, 0.0, 0, 0.0, 0.0, 0.0, 5)  # scale 0 in the masked heads (zero-ablate)
+    table[12, 1] = stage(2, 0.0, 2.0, 0.0, 0, 0.0, 0.0, 0.0, 5)  # set the masked heads to 2 * bank[2]
     unsteered = [0, 6, 7, 8]
 
     def act(pre, threshold):
         return pre if pre > threshold else 0.0
 
     def by_hand(x):  # the table's stages written out, in float32: a reference independent of both
+        bank = full_bank[:, :width]
+        heads = bank[5] != 0
         u = bank[3]
         y = x.clone()
         stats = torch.zeros(16, 3)
@@ -62,7 +69,11 @@ CHECK = textwrap.dedent(
         stats[9, 1:] = torch.tensor([f, act(float(y[9] @ bank[4]) + 0.25, 0.0)])
         y[10] = x[10] + 0.5 * bank[4]
         stats[10, 1:] = torch.tensor([act(float(x[10] @ bank[4]) + 3.0, 0.3), act(float(y[10] @ bank[4]) + 3.0, 0.3)])
+        y[11] = torch.where(heads, 0.0, x[11])
+        y[12] = torch.where(heads, 2.0 * bank[2], x[12])
         return y, stats
+
+    full_bank = bank
 
     def rel(a, b):
         return ((a.float() - b).abs().max() / b.abs().max()).item()

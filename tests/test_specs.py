@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from inspect_tl_vllm.instrument.hookpoints import build_sites, canonical_hook_point, layout_for
+from inspect_tl_vllm.instrument.hookpoints import ModelShape, build_sites, canonical_hook_point, layout_for
 from inspect_tl_vllm.instrument.plans import Scope
 from inspect_tl_vllm.specs import InstrumentConfig, SpecError, parse_hook_point, parse_request_spec
 from inspect_tl_vllm.vectors.files import load_vector
@@ -112,8 +112,13 @@ def test_inline_vectors_become_exact_float32_tensors():
         load_vector([1.0, "x"], 2)
 
 
+def shape(layers: int) -> ModelShape:
+    """A small grouped-query model: 4 query heads of 3, 2 key-value heads, MLP of 20."""
+    return ModelShape(num_layers=layers, d_model=12, n_heads=4, n_kv_heads=2, d_head=3, d_mlp=20)
+
+
 def test_hook_table_aliases_resid_pre_onto_previous_resid_post():
-    sites = build_sites(layout_for("LlamaForCausalLM"), 4, list(InstrumentConfig().hook_points))
+    sites = build_sites(layout_for("LlamaForCausalLM"), shape(4), list(InstrumentConfig().hook_points))
     assert sites["blocks.2.hook_resid_pre"] is sites["blocks.1.hook_resid_post"]
     assert sites["blocks.0.hook_resid_pre"] is not sites["blocks.0.hook_resid_post"]
     assert len({s.index for s in sites.values()}) == 4 + 1 + 1  # resid_post x4, resid_pre.0, ln_final
@@ -128,9 +133,44 @@ def test_unsupported_architecture_lists_the_supported_ones():
 
 
 def test_gemma_attn_out_is_after_its_post_attention_norm():
-    sites = build_sites(layout_for("Gemma2ForCausalLM"), 2, ["all"])
+    sites = build_sites(layout_for("Gemma2ForCausalLM"), shape(2), ["all"])
     assert sites["blocks.1.hook_attn_out"].module == "post_attention_layernorm"
     assert sites["blocks.1.hook_resid_mid"].module == "pre_feedforward_layernorm"
+
+
+def test_per_head_and_neuron_sites_have_their_own_widths_and_all_leaves_them_out():
+    every = build_sites(layout_for("LlamaForCausalLM"), shape(2), ["all"])
+    assert not any(".attn." in name or ".mlp." in name for name in every)  # 'all': residual width only
+    sites = build_sites(layout_for("LlamaForCausalLM"), shape(2), ["blocks.*.attn.*", "blocks.1.mlp.*"])
+    widths = {name: (site.width, site.heads) for name, site in sites.items() if name.startswith("blocks.1.")}
+    assert widths == {
+        "blocks.1.attn.hook_q": (12, 4),
+        "blocks.1.attn.hook_rot_q": (12, 4),
+        "blocks.1.attn.hook_z": (12, 4),
+        "blocks.1.attn.hook_k": (6, 2),
+        "blocks.1.attn.hook_rot_k": (6, 2),
+        "blocks.1.attn.hook_v": (6, 2),
+        "blocks.1.mlp.hook_pre": (20, 0),
+        "blocks.1.mlp.hook_post": (20, 0),
+    }
+    assert sites["blocks.1.attn.hook_v"].module == "self_attn.attn" and sites["blocks.1.attn.hook_v"].arg == 2
+    with pytest.raises(SpecError, match="mixture of experts.*hook_mlp_out"):
+        build_sites(layout_for("MixtralForCausalLM"), shape(2), ["blocks.0.mlp.hook_post"])
+
+
+def test_heads_apply_at_per_head_hook_points_only():
+    spec = {"hook": "blocks.0.attn.hook_z", "op": "scale", "coef": 0.0, "heads": [1, 3]}
+    assert parse_request_spec({"interventions": [spec]}).interventions[0].heads == [1, 3]
+    for bad, message in [
+        ({"hook": "blocks.0.hook_resid_post"}, "not a per-head hook point"),
+        ({"hook": "blocks.0.attn.hook_z", "heads": [1, 1]}, "each head once"),
+        ({"hook": "blocks.0.attn.hook_z", "heads": []}, "heads"),
+        ({"hook": "blocks.0.attn.hook_z", "heads": [-1]}, "heads"),
+    ]:
+        with pytest.raises((SpecError, ValueError), match=message):
+            parse_request_spec({"interventions": [{**spec, **bad}]})
+    with pytest.raises(SpecError, match="Did you mean 'blocks.2.attn.hook_z'"):
+        parse_hook_point("blocks.2.attn.hook_zz")
 
 
 def test_position_scopes_agree_for_blocks_and_single_rows():
@@ -170,7 +210,9 @@ def test_the_bank_evicts_unused_vectors_and_refuses_only_when_all_are_in_use():
 
     from inspect_tl_vllm.engine.frontend import Instrumentation
 
-    config = SimpleNamespace(architectures=["LlamaForCausalLM"], num_hidden_layers=2, hidden_size=4)
+    config = SimpleNamespace(
+        architectures=["LlamaForCausalLM"], num_hidden_layers=2, hidden_size=4, num_attention_heads=2
+    )
     front = Instrumentation(config, InstrumentConfig(max_vectors=2))
 
     def steered(*vectors):

@@ -39,7 +39,7 @@ def steered(uid: int, rng: np.random.Generator, prompt_len: int) -> RequestState
         if stage is None:
             continue
         used.add((site, stage))
-        row = np.array([uid, 1.0 + index, float(uid), 0.0, 0.0, 0.0, 0.0, 0.0], dtype=np.float32)
+        row = np.array([uid, 1.0 + index, float(uid), 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=np.float32)
         scope = Scope.resolve(SCOPES[int(rng.integers(len(SCOPES)))], prompt_len)
         items.append(SteerItem(index, "add", site, stage, row, scope))
     return RequestState(uid=str(uid), prompt_len=prompt_len, steer=items, capture=[])
@@ -100,7 +100,7 @@ def test_a_slot_left_by_a_steered_request_steers_nothing_for_the_next() -> None:
     """The next request in a freed slot, steered elsewhere or not at all, must not inherit stages."""
     run = runtime()
     router = StepRouter(run)
-    row = np.array([1, 1.0, 2.0, 0, 0, 0, 0, 0], dtype=np.float32)
+    row = np.array([1, 1.0, 2.0, 0, 0, 0, 0, 0, 0], dtype=np.float32)
     first = RequestState(
         uid="first", prompt_len=3, steer=[SteerItem(0, "add", 3, 1, row, Scope.resolve("all", 3))], capture=[]
     )
@@ -130,7 +130,7 @@ def test_a_batch_that_keeps_its_requests_from_prefill_to_decode_gets_new_rows() 
     decode steps: only a step of generated rows after another may keep the last step's tables."""
     run = runtime()
     router = StepRouter(run)
-    row = np.array([1, 1.0, 2.0, 0, 0, 0, 0, 0], dtype=np.float32)
+    row = np.array([1, 1.0, 2.0, 0, 0, 0, 0, 0, 0], dtype=np.float32)
     answer = RequestState(
         uid="g", prompt_len=5, steer=[SteerItem(0, "add", 3, 0, row, Scope.resolve("generated", 5))], capture=[]
     )
@@ -154,7 +154,7 @@ def test_answer_rows_recomputed_one_a_step_in_an_unchanged_batch_count_once() ->
     requests: the batch repeats itself, but those rows were counted before and must not be again."""
     run = runtime()
     router = StepRouter(run)
-    row = np.array([1, 1.0, 2.0, 0, 0, 0, 0, 0], dtype=np.float32)
+    row = np.array([1, 1.0, 2.0, 0, 0, 0, 0, 0, 0], dtype=np.float32)
     a, b = (
         RequestState(uid=uid, prompt_len=2, steer=[SteerItem(0, "add", 3, 0, row, Scope.resolve("all", 2))], capture=[])
         for uid in "ab"

@@ -12,6 +12,7 @@ generated tokens).  Negative indices count from the end of the prompt (``-1`` is
 from __future__ import annotations
 
 import difflib
+import fnmatch
 import math
 import re
 import struct
@@ -21,10 +22,21 @@ import numpy as np
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 BLOCK_HOOKS = ("hook_resid_pre", "hook_resid_mid", "hook_resid_post", "hook_attn_out", "hook_mlp_out")
+"""The residual-stream-wide hook points of a block (d_model numbers per token)."""
+HEAD_HOOKS = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "attn.hook_rot_k", "attn.hook_z")
+"""Per-head hook points of a block's attention: [pos, head, d_head] per token, as TransformerLens."""
+NEURON_HOOKS = ("mlp.hook_pre", "mlp.hook_post")
+"""A dense MLP's neurons: the gate's pre-activation and the input of the down projection, [pos, d_mlp]."""
 FINAL_HOOK = "ln_final.hook_normalized"
+_PATTERN_CANDIDATES = [
+    *(f"blocks.{i}.{hook}" for i in range(128) for hook in BLOCK_HOOKS + HEAD_HOOKS + NEURON_HOOKS),
+    FINAL_HOOK,
+]  # what an engine pattern ("blocks.*.attn.*") must match one of, for any model up to 128 layers
 # ASCII digits, no leading zeros: a name has one spelling, so it finds its site ("blocks.012..." and
 # other digit scripts would parse to a layer and then match no instrumented site).
-_BLOCK_RE = re.compile(r"^blocks\.(0|[1-9][0-9]*)\.(" + "|".join(BLOCK_HOOKS) + r")$")
+_BLOCK_RE = re.compile(
+    r"^blocks\.(0|[1-9][0-9]*)\.(" + "|".join(re.escape(h) for h in BLOCK_HOOKS + HEAD_HOOKS + NEURON_HOOKS) + r")$"
+)
 
 MAX_POSITION = 2**31 - 1
 """Largest position index (either sign): far beyond any model's context, well inside the int64 the
@@ -40,6 +52,8 @@ MAX_FEATURE = 2**24 - 1
 """The largest SAE feature index (and d_sae) accepted: 16.7M features, past any released SAE."""
 MAX_TOP_K = 4096
 """The most SAE features an SAE capture keeps per row."""
+MAX_HEAD = 4095
+"""The largest head index an intervention's ``heads`` may name (the engine checks the model's own count)."""
 
 CaptureDtype = Literal["float32", "bfloat16", "float16"]
 CAPTURE_DTYPES: tuple[str, ...] = get_args(CaptureDtype)
@@ -78,16 +92,28 @@ def parse_hook_point(name: str) -> tuple[int | None, str]:
         return None, "ln_final"
     match = _BLOCK_RE.match(name)
     if match:
-        return int(match.group(1)), match.group(2)[len("hook_") :]
+        return int(match.group(1)), hook_kind(match.group(2))
     digits = re.search(r"\d+", name)  # any script, so that the hint spells the layer canonically
     layer = int(digits.group(0)) if digits else 0
-    known = [f"blocks.{layer}.{hook}" for hook in BLOCK_HOOKS] + [FINAL_HOOK]
+    known = [f"blocks.{layer}.{hook}" for hook in BLOCK_HOOKS + HEAD_HOOKS + NEURON_HOOKS] + [FINAL_HOOK]
     near = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
     hint = f" Did you mean {near[0]!r}?" if near else ""
     raise SpecError(
         f"unknown hook point {name!r}.{hint} Valid names: blocks.<layer>.<hook> with <hook> one of "
-        f"{', '.join(BLOCK_HOOKS)}; or {FINAL_HOOK}."
+        f"{', '.join(BLOCK_HOOKS + HEAD_HOOKS + NEURON_HOOKS)}; or {FINAL_HOOK}."
     )
+
+
+def hook_kind(hook: str) -> str:
+    """A block hook's kind: ``hook_resid_pre`` -> ``resid_pre``, ``attn.hook_q`` -> ``attn.q``."""
+    module, _, name = hook.rpartition(".")
+    kind = name.removeprefix("hook_")
+    return f"{module}.{kind}" if module else kind
+
+
+def is_per_head(name: str) -> bool:
+    """Whether a hook point's rows are per attention head ([pos, head, d_head])."""
+    return any(name.endswith("." + hook) for hook in HEAD_HOOKS)
 
 
 def _check_scope(value: str | list[int]) -> str | list[int]:
@@ -145,6 +171,12 @@ class Intervention(BaseModel):
     - ``set``:    coef * v (replaces the activation)
     - ``ablate``: h - coef * (h . u) u with u = v / |v| (coef 1 projects the direction out)
 
+    At a per-head hook point (``attn.hook_q``, ``hook_k``, ``hook_v``, ``hook_rot_q``, ``hook_rot_k``,
+    ``hook_z``) the vector has the hook's full width (heads x d_head, flattened head by head) and
+    ``heads`` restricts the edit to those heads: the other heads' numbers pass unchanged, and an
+    ``ablate`` direction is taken within the chosen heads.  Zero-ablating head 3 is
+    ``op: scale, coef: 0, heads: [3]``; mean-ablating it is ``op: set`` with the mean as vector.
+
     A sparse autoencoder's feature can stand in for the vector: ``sae`` (a folder in SAELens'
     format, trained on this hook point) and ``feature`` (its index ``i``), with op
 
@@ -176,11 +208,23 @@ class Intervention(BaseModel):
     positions: PositionScope = Field(
         default="all", description=f"'all', 'prompt', 'generated', or indices within +-{MAX_POSITION}"
     )
+    heads: list[Annotated[int, Field(ge=0, le=MAX_HEAD, strict=True)]] | None = Field(
+        default=None,
+        min_length=1,
+        description="At a per-head hook point (attn.hook_*): edit only these heads; default every head",
+    )
 
     @field_validator("hook")
     @classmethod
     def _hook(cls, value: str) -> str:
         parse_hook_point(value)
+        return value
+
+    @field_validator("heads")
+    @classmethod
+    def _heads(cls, value: list[int] | None) -> list[int] | None:
+        if value is not None and len(set(value)) != len(value):
+            raise SpecError(f"heads: each head once, got {value}")
         return value
 
     @field_validator("coef")
@@ -213,6 +257,13 @@ class Intervention(BaseModel):
             raise SpecError("vector: op 'scale' takes no vector (it multiplies by coef)")
         if self.op != "scale" and self.vector is None and self.sae is None:
             raise SpecError(f"vector: op {self.op!r} needs a vector (inline list or file path)")
+        if self.heads is not None and not is_per_head(self.hook):
+            raise SpecError(
+                f"heads: {self.hook} is not a per-head hook point; heads apply at blocks.<layer>.attn.hook_q, "
+                "hook_k, hook_v, hook_rot_q, hook_rot_k or hook_z"
+            )
+        if self.heads is not None and self.sae is not None:
+            raise SpecError("heads: an SAE feature is steered over the whole hook point; omit heads")
         return self
 
 
@@ -336,8 +387,13 @@ class InstrumentConfig(BaseModel):
     @classmethod
     def _patterns(cls, value: list[str]) -> list[str]:
         for name in value:
-            if name != "all":
-                parse_hook_point(name.replace("*", "0"))
+            if name == "all":
+                continue
+            if "*" not in name:
+                parse_hook_point(name)
+            elif not fnmatch.filter(_PATTERN_CANDIDATES, name):
+                parse_hook_point(name.replace("*", "0"))  # a precise error where the name itself is wrong
+                raise SpecError(f"hook_points: pattern {name!r} matches no hook point")
         return value
 
 

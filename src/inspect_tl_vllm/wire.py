@@ -60,6 +60,7 @@ class SteerWire(Message):
     vector: str | None  # content hash of an uploaded vector
     positions: PositionsWire
     encoder: EncoderWire | None = None  # a feature intervention's encoder (reported before/after; clamp)
+    mask: str | None = None  # content hash of an uploaded 0/1 row: the columns (heads) the edit touches
 
 
 class FeaturesWire(Message):

@@ -91,6 +91,19 @@ def check_engine_args(engine_kwargs: dict[str, Any]) -> None:
         raise SpecError(f"VLLM_PLUGINS={plugins!r} excludes 'inspect_tl_vllm', so workers would not be instrumented")
 
 
+def check_sharded_sites(instrumentation: Instrumentation, engine_kwargs: dict[str, Any]) -> None:
+    """Refuse per-head and neuron hook points under tensor parallelism: each rank holds a slice
+    of the heads and neurons, and captures are read from rank 0 alone."""
+    tp = int(engine_kwargs.get("tensor_parallel_size") or 1)
+    names = {site.name for site in instrumentation.sites.values()}
+    inner = sorted(name for name in names if ".attn." in name or ".mlp." in name)
+    if tp > 1 and inner:
+        raise SpecError(
+            f"hook_points: {inner[0]} (per head or per neuron) is not supported with tensor_parallel_size={tp}: "
+            "each rank holds only some heads and neurons; use pipeline_parallel_size, or residual-stream hook points"
+        )
+
+
 def construct_instrumented_llm(
     model: str,
     *,
@@ -118,6 +131,7 @@ def construct_instrumented_llm(
     check_engine_args(engine_kwargs)
     model_path = resolve_model(model)
     instrumentation = Instrumentation(model_config(model_path, model), settings)
+    check_sharded_sites(instrumentation, engine_kwargs)
     extra = {**(engine_kwargs.pop("additional_config", None) or {}), **additional_config(settings)}
     kwargs = {"model": model_path, "additional_config": extra, "worker_extension_cls": EXTENSION, **engine_kwargs}
     if async_engine:

@@ -20,7 +20,7 @@ import msgspec
 import torch
 
 from inspect_tl_vllm.engine.handoff import HandoffFolder
-from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, canonical_hook_point, layout_for
+from inspect_tl_vllm.instrument.hookpoints import ModelShape, Site, build_sites, canonical_hook_point, layout_for
 from inspect_tl_vllm.specs import TAG, Capture, InstrumentConfig, RequestSpec, SpecError, hook_of_key
 from inspect_tl_vllm.vectors.files import load_vector, vector_hash
 from inspect_tl_vllm.vectors.sae import feature_steering, load_sae
@@ -137,9 +137,11 @@ class Instrumentation:
         text_config = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.architecture = architecture
         self.settings = settings
-        self.num_layers = int(text_config.num_hidden_layers)
-        self.hidden_size = int(text_config.hidden_size)
-        self.sites: dict[str, Site] = build_sites(layout_for(architecture), self.num_layers, settings.hook_points)
+        self.shape = ModelShape.of(text_config)
+        self.num_layers = self.shape.num_layers
+        self.hidden_size = self.shape.d_model
+        layout = layout_for(architecture)
+        self.sites: dict[str, Site] = build_sites(layout, self.shape, settings.hook_points, architecture)
         # The workers' vector bank as the front end sees it: content hash -> how many requests in
         # flight use it, least recently used first.  Unused vectors are evicted to make room.
         self.bank: OrderedDict[str, int] = OrderedDict()
@@ -184,7 +186,7 @@ class Instrumentation:
                     item.feature,
                     op=item.op,
                     hook=item.hook,
-                    width=self.hidden_size,
+                    width=site.width,
                     where=f"{where}: interventions[{i}]",
                 )
                 vector = feature.decoder
@@ -193,12 +195,21 @@ class Instrumentation:
                     vectors[encoder_key] = feature.encoder
                     encoder = EncoderWire(vector=encoder_key, bias=feature.bias, threshold=feature.threshold)
             elif item.vector is not None:
-                vector = load_vector(item.vector, self.hidden_size, where=f"{where}: interventions[{i}].vector")
-                if item.op == "ablate":
-                    norm = vector.double().norm()  # float64: a float32 norm of large entries overflows
-                    if norm == 0:
-                        raise SpecError(f"{where}: interventions[{i}].vector: cannot ablate a zero direction")
-                    vector = (vector.double() / norm).float()
+                vector = load_vector(
+                    item.vector, site.width, where=f"{where}: interventions[{i}].vector", width_of=width_of(site)
+                )
+            mask_key = None
+            if item.heads is not None:
+                mask = head_columns(site, item.heads, f"{where}: interventions[{i}].heads")
+                mask_key = vector_hash(mask)
+                vectors[mask_key] = mask
+                vector = vector * mask if vector is not None else None  # a direction within the chosen heads
+            if vector is not None and item.sae is None and item.op == "ablate":
+                norm = vector.double().norm()  # float64: a float32 norm of large entries overflows
+                if norm == 0:
+                    within = " within the chosen heads" if item.heads is not None else ""
+                    raise SpecError(f"{where}: interventions[{i}].vector: cannot ablate a zero direction{within}")
+                vector = (vector.double() / norm).float()
             if vector is not None:
                 key = vector_hash(vector)
                 vectors[key] = vector
@@ -212,6 +223,7 @@ class Instrumentation:
                     vector=key,
                     positions=item.positions,
                     encoder=encoder,
+                    mask=mask_key,
                 )
             )
         capture = None
@@ -223,8 +235,9 @@ class Instrumentation:
             hooks = [(h, self.site(h, f"{where}: capture.hooks").index) for h in names]
             _check_reach(spec.capture.positions, prompt_len, max_tokens, f"{where}: capture.positions")
             per_token = spec.capture.reduce == "none" or features is not None
-            row_bytes = _host_bytes_per_row(spec.capture.reduce, features, self.hidden_size)
-            need = (prompt_len + max_tokens) * row_bytes * len(hooks)
+            widths = [self.site(h, f"{where}: capture.hooks").width for h in names]
+            row_bytes = sum(_host_bytes_per_row(spec.capture.reduce, features, width) for width in widths)
+            need = (prompt_len + max_tokens) * row_bytes
             if need > self.settings.capture_bytes_per_request:
                 fewer = "a smaller top_k or fewer features" if features is not None else "fewer positions or hooks"
                 raise SpecError(
@@ -256,7 +269,7 @@ class Instrumentation:
             raise SpecError(
                 f"{where}.hooks: the SAE at {sae.path} reads {sae.hook!r}, not {capture.hooks[0]!r}; omit hooks"
             )
-        sae.check_width(self.hidden_size, f"{where}.sae")
+        sae.check_width(self.site(sae.hook, f"{where}.sae").width, f"{where}.sae")
         past = [f for f in capture.features or () if f >= sae.d_sae]
         if past:
             raise SpecError(f"{where}.features: {past[:5]} out of range; {sae.path} has features 0..{sae.d_sae - 1}")
@@ -339,7 +352,31 @@ class Instrumentation:
             activations = load(payload.tensors)
         for name in payload.files:
             activations.update(self.handoff.take(name))
+        for hook, rows in activations.items():
+            site = self.sites.get(hook)
+            if site is not None and site.heads:  # per head, as TransformerLens: [pos, head, d_head]
+                activations[hook] = rows.view(*rows.shape[:-1], site.heads, site.width // site.heads)
         return CaptureResult(payload.receipt.encode(), activations, payload.positions)
+
+
+def width_of(site: Site) -> str:
+    """What sets a site's width, for errors about a vector of the wrong width."""
+    if site.heads:
+        return f"the width of {site.name} ({site.heads} heads x {site.width // site.heads})"
+    if ".mlp." in site.name:
+        return f"the width of {site.name} (the MLP's neurons)"
+    return "the model's hidden size"
+
+
+def head_columns(site: Site, heads: list[int], where: str) -> torch.Tensor:
+    """The 0/1 row over a per-head site's columns that selects ``heads`` (an intervention's ``heads``)."""
+    past = [h for h in heads if h >= site.heads]
+    if past:
+        raise SpecError(f"{where}: heads {past} do not exist at {site.name}, which has heads 0..{site.heads - 1}")
+    d_head = site.width // site.heads
+    mask = torch.zeros(site.heads, d_head)
+    mask[heads] = 1.0
+    return mask.flatten()
 
 
 def _host_bytes_per_row(reduce: str, features: FeaturesWire | None, hidden_size: int) -> int:

@@ -28,8 +28,8 @@ from inspect_tl_vllm.wire import FetchedResult
 class ResultPacker:
     """Packs results and owns the writer thread for early writes."""
 
-    def __init__(self, hidden_size: int) -> None:
-        self.hidden_size = hidden_size
+    def __init__(self, site_widths: dict[int, int]) -> None:
+        self.site_widths = site_widths  # numbers per row at each site (an empty capture's shape)
         self.written_early = 0  # requests whose per-token rows were written out before their fetch
         self._writer: ThreadPoolExecutor | None = None
         self._folders: dict[tuple[str, ...], Path | None] = {}
@@ -79,7 +79,8 @@ class ResultPacker:
                 continue
             kept, rows = item.per_token(max_pos)
             positions[item.hook] = kept
-            tensors[item.hook] = torch.zeros(0, self.hidden_size, dtype=dtype) if rows is None else rows.to(dtype)
+            empty = rows is None
+            tensors[item.hook] = torch.zeros(0, self.site_widths[item.site], dtype=dtype) if empty else rows.to(dtype)
         return tensors, positions
 
     def _features(self, state: RequestState, hook: str, max_pos: int) -> tuple[dict[str, torch.Tensor], list[int]]:

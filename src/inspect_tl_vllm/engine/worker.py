@@ -31,7 +31,7 @@ from inspect_tl_vllm.engine.packing import ResultPacker, early_writes
 from inspect_tl_vllm.engine.runners import NewRequest, StepLayout, V1Runner, V2Runner, new_requests, runner_for
 from inspect_tl_vllm.engine.sae_encoders import SaeEncoders
 from inspect_tl_vllm.engine.telemetry import GC_TIMER, HostTimer, pinned_host_stats
-from inspect_tl_vllm.instrument.hookpoints import Site, build_sites, layout_for
+from inspect_tl_vllm.instrument.hookpoints import ModelShape, Site, build_sites, layout_for
 from inspect_tl_vllm.instrument.plans import RequestState, plan_request
 from inspect_tl_vllm.instrument.routing import StepRouter
 from inspect_tl_vllm.instrument.runtime import HookRuntime, install_hooks
@@ -55,8 +55,7 @@ class Controller:
         hf_config = runner.model_config.hf_text_config
         architecture = runner.model_config.architectures[0]
         layout = layout_for(architecture)
-        num_layers = int(hf_config.num_hidden_layers)
-        table = build_sites(layout, num_layers, settings["hook_points"])
+        table = build_sites(layout, ModelShape.of(hf_config), settings["hook_points"], architecture)
         inner = model.model
         every_site = sorted({site.index: site for site in table.values()}.values(), key=lambda s: s.index)
         self.sites = [site for site in every_site if _holds(inner, site)]
@@ -64,8 +63,8 @@ class Controller:
         self.every_site = {site.index for site in every_site}
         device = next(model.parameters()).device
         self.runtime = HookRuntime(
-            site_indices=sorted(self.owned),
-            hidden_size=int(hf_config.hidden_size),
+            site_widths={site.index: site.width for site in self.sites},
+            bank_width=max(site.width for site in every_site),
             max_tokens=int(runner.max_num_tokens),
             max_stack=int(settings["max_stack"]),
             max_vectors=int(settings["max_vectors"]),
@@ -73,7 +72,7 @@ class Controller:
             act_dtype=runner.model_config.dtype,
         )
         self.handles = install_hooks(inner.layers, inner.norm, self.sites, self.runtime)
-        self.packer = ResultPacker(int(hf_config.hidden_size))
+        self.packer = ResultPacker({site.index: site.width for site in self.sites})
         self.encoders = SaeEncoders(self.runtime.device, self.runtime.act_dtype, int(hf_config.hidden_size))
         self.router = StepRouter(
             self.runtime,
@@ -185,8 +184,10 @@ class Controller:
                 f"{len(fresh)} more asked for; raise max_vectors in InstrumentConfig"
             )
         rows = [self.free_rows.pop() for _ in fresh]
-        stacked = torch.stack([vector.to(torch.float32) for vector in fresh.values()])
         bank = self.runtime.bank
+        stacked = torch.zeros(len(fresh), bank.shape[1], dtype=torch.float32)  # narrower sites' vectors: zero-padded
+        for i, vector in enumerate(fresh.values()):
+            stacked[i, : vector.shape[0]] = vector.to(torch.float32)
         bank[torch.tensor(rows, device=bank.device)] = stacked.to(bank.device)  # one copy, not one per vector
         self.bank_rows.update(zip(fresh, rows, strict=True))
         return len(self.bank_rows)

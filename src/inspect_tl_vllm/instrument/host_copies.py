@@ -78,7 +78,7 @@ class HostCopies:
         self.runtime = runtime
         self.cuda = runtime.device.type == "cuda"
         self.on_capture_complete = on_capture_complete
-        row_bytes = runtime.hidden_size * runtime.act_dtype.itemsize
+        row_bytes = runtime.bank_width * runtime.act_dtype.itemsize  # the widest site's rows
         self.chunk_rows = chunk_rows or max(1, HOST_CHUNK_BYTES // row_bytes)
 
     def to_host(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -157,7 +157,7 @@ class HostCopies:
             if row_max is not None:
                 _check_finite(state, item, row_max[flight.row_max_at[item.site] + at], positions)
             for chunk, index, part in found:
-                _keep_rows(state, item, chunks[chunk][index], positions[part], self.runtime.hidden_size)
+                _keep_rows(state, item, chunks[chunk][index], positions[part])
         for state in closing if self.on_capture_complete is not None else ():
             if state.error is None:
                 self.on_capture_complete(state)
@@ -194,11 +194,11 @@ def _check_finite(state: RequestState, item: CaptureItem, row_max: np.ndarray, p
         )
 
 
-def _keep_rows(state: RequestState, item: CaptureItem, block: torch.Tensor, positions: np.ndarray, width: int) -> None:
+def _keep_rows(state: RequestState, item: CaptureItem, block: torch.Tensor, positions: np.ndarray) -> None:
     """Keep per-token rows, within the request's byte budget (counted in the requested dtype)."""
     if state.error is not None:
         return
-    cost = block.shape[0] * width * TORCH_DTYPES[state.dtype].itemsize
+    cost = block.numel() * TORCH_DTYPES[state.dtype].itemsize
     if state.bytes_used + cost > state.max_bytes:
         state.error = (
             f"capture exceeded capture_bytes_per_request ({state.max_bytes} bytes) at position "

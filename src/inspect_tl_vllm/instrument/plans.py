@@ -259,7 +259,7 @@ def plan_request(
             raise ValueError(
                 f"steering item {index}: only 'clamp' needs an SAE encoder, and only it and 'add' take one"
             )
-        for key in (item.vector, encoder.vector if encoder is not None else None):
+        for key in (item.vector, encoder.vector if encoder is not None else None, item.mask):
             if key is not None and key not in bank_rows:
                 raise KeyError(f"vector {key} was not uploaded to this worker")
         feature = (0.0, 0.0, 0.0)
@@ -272,7 +272,8 @@ def plan_request(
             continue
         bank_row = bank_rows[item.vector] if item.vector is not None else 0
         mult, add, proj, gate = OP_STAGES[item.op](item.coef)
-        stage_row = np.array([bank_row, mult, add, proj, *feature, gate], dtype=np.float32)
+        mask_row = bank_rows[item.mask] if item.mask is not None else 0
+        stage_row = np.array([bank_row, mult, add, proj, *feature, gate, mask_row], dtype=np.float32)
         steer.append(
             SteerItem(
                 index=index,

@@ -45,7 +45,8 @@ class PooledCaptures:
         for item in state.capture:
             pool = self.pools.get(item.site)
             if pool is None:  # allocated once per site, not per request
-                pool = self.pools[item.site] = SiteAccumulators(self.runtime.hidden_size, self.runtime.device)
+                width = self.runtime.sites[item.site].width
+                pool = self.pools[item.site] = SiteAccumulators(width, self.runtime.device)
             pool.ensure(state.slot + 1)
             self.resets.setdefault(item.site, []).append(state.slot)
 
@@ -123,9 +124,9 @@ class PooledCaptures:
 
     def settle(self, state: RequestState, reads: PooledReads) -> None:
         """Copy the pooled request ``state``'s rows out of ``reads`` into its capture items."""
-        width = self.runtime.hidden_size
         for item in state.capture:
             if item.site in reads:
+                width = self.runtime.sites[item.site].width
                 slots, data = reads[item.site]
                 row = data.numpy()[int(np.searchsorted(slots, state.slot))]
                 item.pooled = (row[:width].copy(), float(row[width]), row[width + 1 :].copy())

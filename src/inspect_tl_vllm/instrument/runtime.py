@@ -11,12 +11,13 @@ inputs and no per-layer constant, so vLLM compiles one layer's piece and reuses 
 others (a site number baked into the graph made compile time grow with the site count).
 
 Per token row ``t`` the hook at a site applies ``max_stack`` stages, with
-``table[t, k] = (bank row, mult, add, proj, encoder row, bias, threshold, gate)``::
+``table[t, k] = (bank row, mult, add, proj, encoder row, bias, threshold, gate, mask row)``::
 
     v = bank[table[t, k, 0]]
     u = bank[table[t, k, 4]]                      # an SAE encoder column; row 0 (zeros) if none
+    m = bank[table[t, k, 8]] if table[t, k, 8] else 1   # 0/1 per column: the heads a stage edits
     f = x . u + bias if x . u + bias > threshold else 0   # the SAE feature's activation
-    x = x * mult + (add - proj * (x . v) - gate * f) v
+    x = where(m != 0, x * mult + (add - proj * (x . v) - gate * f) v, x)
 
 So ``add``/``scale``/``set``/``ablate`` are (add, mult, add, proj) choices with no encoder row,
 and an SAE feature's ``clamp`` to c is (v = W_dec[i], u = W_enc[:, i], add c, gate 1).  Row 0 of
@@ -26,6 +27,9 @@ unsteered rows pass through bit for bit.  The result is then copied into the sit
 feature stage's f before and after go to ``row_stats`` (steering receipts), and ``fired``
 counts executions (the loud check that a hook really runs inside the compiled graph).
 ``site_op.py`` holds that math, as one operator that is a single Triton kernel on CUDA.
+
+Sites differ in width (d_model, heads x d_head, d_mlp); the bank is as wide as the widest, and
+a site reads the first ``width`` numbers of a row (narrower vectors are stored zero-padded).
 """
 
 from __future__ import annotations
@@ -40,15 +44,16 @@ from inspect_tl_vllm.instrument import site_op  # noqa: F401  (registers torch.o
 from inspect_tl_vllm.instrument.hookpoints import Site
 from inspect_tl_vllm.instrument.site_op import ROW_STATS
 
-IDENTITY_STAGE = (0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+IDENTITY_STAGE = (0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
 
 
 class SiteBuffers:
     """The tensors one site's hook reads and writes."""
 
-    def __init__(self, *, max_tokens: int, max_stack: int, hidden_size: int, device: torch.device, act_dtype: Any):
+    def __init__(self, *, max_tokens: int, max_stack: int, width: int, device: torch.device, act_dtype: Any):
+        self.width = width
         self.table = torch.tensor(IDENTITY_STAGE, device=device).repeat(max_tokens, max_stack, 1)
-        self.staging = torch.zeros(max_tokens, hidden_size, dtype=act_dtype, device=device)
+        self.staging = torch.zeros(max_tokens, width, dtype=act_dtype, device=device)
         self.row_stats = torch.zeros(max_tokens, ROW_STATS, dtype=torch.float32, device=device)
         self.fired = torch.zeros(1, dtype=torch.int64, device=device)
 
@@ -57,35 +62,36 @@ class SiteBuffers:
 
 
 class HookRuntime:
-    """Device buffers of the sites this worker owns, plus the shared vector bank."""
+    """Device buffers of the sites this worker owns (``site_widths``: site -> numbers per row),
+    plus the shared vector bank."""
 
     def __init__(
         self,
         *,
-        site_indices: list[int],
-        hidden_size: int,
+        site_widths: dict[int, int],
+        bank_width: int,
         max_tokens: int,
         max_stack: int,
         max_vectors: int,
         device: torch.device,
         act_dtype: torch.dtype,
     ) -> None:
-        self.hidden_size = hidden_size
         self.max_tokens = max_tokens
         self.max_stack = max_stack
         self.max_vectors = max_vectors
         self.device = device
         self.act_dtype = act_dtype
-        self.bank = torch.zeros(max_vectors + 1, hidden_size, dtype=torch.float32, device=device)
+        self.bank_width = bank_width  # the widest site of the engine (every pipeline stage's)
+        self.bank = torch.zeros(max_vectors + 1, self.bank_width, dtype=torch.float32, device=device)
         self.sites = {
             index: SiteBuffers(
-                max_tokens=max_tokens, max_stack=max_stack, hidden_size=hidden_size, device=device, act_dtype=act_dtype
+                max_tokens=max_tokens, max_stack=max_stack, width=width, device=device, act_dtype=act_dtype
             )
-            for index in site_indices
+            for index, width in sorted(site_widths.items())
         }
 
     def apply(self, buffers: SiteBuffers, hidden: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
-        """The hook math for one site (``site_op.site_hook``); ``hidden`` is ``[num_tokens, hidden_size]``.
+        """The hook math for one site (``site_op.site_hook``); ``hidden`` is ``[num_tokens, site width]``.
 
         With ``residual`` the site sees ``hidden + residual`` and returns ``(stream, zeros)``
         for the next fused add-norm; without it, the stream alone."""
@@ -112,13 +118,13 @@ def install_hooks(layers: nn.ModuleList, final_norm: nn.Module, sites: list[Site
         hook = _make_hook(site, runtime)
         if site.kind == "layer_in":
             handles.append(layers[site.layer].register_forward_pre_hook(hook, with_kwargs=True))
-        elif site.kind == "norm_in":
-            norm = getattr(layers[site.layer], site.module)
-            handles.append(norm.register_forward_pre_hook(hook, with_kwargs=True))
+        elif site.kind in ("norm_in", "arg_in", "columns_in"):
+            module = layers[site.layer].get_submodule(site.module)
+            handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
         elif site.kind == "layer_out":
             handles.append(layers[site.layer].register_forward_hook(hook))
-        elif site.kind == "module_out":
-            handles.append(getattr(layers[site.layer], site.module).register_forward_hook(hook))
+        elif site.kind in ("module_out", "columns_out"):
+            handles.append(layers[site.layer].get_submodule(site.module).register_forward_hook(hook))
         else:
             handles.append(final_norm.register_forward_hook(hook))
     return handles
@@ -152,6 +158,36 @@ def _make_hook(site: Site, runtime: HookRuntime) -> Callable[..., Any]:
             return (*apply(buffers, hidden, residual), *output[2:])
 
         return layer_out
+
+    if site.kind == "arg_in":  # one positional argument of the module: q or k, v, the heads' output
+        arg = site.arg
+
+        def arg_in(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return (*args[:arg], apply(buffers, args[arg]), *args[arg + 1 :]), kwargs
+
+        return arg_in
+
+    start, end = site.arg, site.arg + site.width
+
+    def edit_columns(fused: torch.Tensor) -> torch.Tensor:
+        """The fused tensor with the site's columns run through the hook ([q | k | v], [gate | up])."""
+        return torch.cat([fused[..., :start], apply(buffers, fused[..., start:end]), fused[..., end:]], dim=-1)
+
+    if site.kind == "columns_in":
+
+        def columns_in(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            return (edit_columns(args[0]), *args[1:]), kwargs
+
+        return columns_in
+
+    if site.kind == "columns_out":  # a vLLM linear layer returns (output, bias)
+
+        def columns_out(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            if isinstance(output, tuple):
+                return (edit_columns(output[0]), *output[1:])
+            return edit_columns(output)
+
+        return columns_out
 
     if site.kind == "module_out":
 

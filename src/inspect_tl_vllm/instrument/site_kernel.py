@@ -32,6 +32,7 @@ def _site_hook_kernel(
     table,
     bank,
     width,
+    bank_stride,
     hidden_stride,
     residual_stride,
     HAS_RESIDUAL: tl.constexpr,
@@ -48,7 +49,7 @@ def _site_hook_kernel(
         r = tl.load(residual + row * residual_stride + cols, mask=inside, other=0.0).to(tl.float32)
         x = (x + r).to(out.dtype.element_ty, fp_downcast_rounding="rtne").to(tl.float32)
         tl.store(residual_out + row * width + cols, tl.zeros([BLOCK], dtype=out.dtype.element_ty), mask=inside)
-    # A row is steered when any of its stages differs from the identity (0, 1, 0, 0, 0, 0, 0, 0).
+    # A row is steered when any of its stages differs from the identity (0, 1, 0, 0, 0, 0, 0, 0, 0).
     entries = tl.arange(0, TABLE_BLOCK)
     stages = tl.load(table + row * STACK * WIDTH + entries, mask=entries < STACK * WIDTH, other=0.0)
     identity = tl.where(entries % WIDTH == 1, 1.0, 0.0)
@@ -64,20 +65,23 @@ def _site_hook_kernel(
             add = tl.load(entry + 2)
             proj = tl.load(entry + 3)
             encoder_row = tl.load(entry + 4).to(tl.int64)
-            v = tl.load(bank + vector_row * width + cols, mask=inside & (vector_row != 0), other=0.0)
+            mask_row = tl.load(entry + 8).to(tl.int64)
+            v = tl.load(bank + vector_row * bank_stride + cols, mask=inside & (vector_row != 0), other=0.0)
             coef = add - proj * tl.sum(x * v, axis=0)
             if encoder_row != 0:  # a feature stage: f = act(x . u + bias), as ``reference``
                 bias = tl.load(entry + 5)
                 thresh = tl.load(entry + 6)
                 gate = tl.load(entry + 7)
-                u = tl.load(bank + encoder_row * width + cols, mask=inside, other=0.0)
+                u = tl.load(bank + encoder_row * bank_stride + cols, mask=inside, other=0.0)
                 xu = tl.sum(x * u, axis=0)
                 pre = xu + bias
                 feature_before = tl.where(pre > thresh, pre, 0.0)
                 coef = coef - gate * feature_before
                 pre_after = mult * xu + coef * tl.sum(v * u, axis=0) + bias
                 feature_after = tl.where(pre_after > thresh, pre_after, 0.0)
-            x = x * mult + coef * v
+            # the columns a stage edits (its heads): a 0/1 bank row, or every column (row 0)
+            columns = tl.load(bank + mask_row * bank_stride + cols, mask=inside & (mask_row != 0), other=1.0)
+            x = tl.where(columns != 0, x * mult + coef * v, x)
         y = x.to(out.dtype.element_ty, fp_downcast_rounding="rtne")
         yf = y.to(tl.float32)
         tl.store(row_stats + row * 3, tl.sqrt(tl.sum(yf * yf, axis=0)) - before)
@@ -122,6 +126,7 @@ def launch(
         table,
         bank,
         width,
+        bank.stride(0),
         hidden.stride(0),
         0 if residual is None else residual.stride(0),
         HAS_RESIDUAL=residual is not None,

@@ -24,8 +24,8 @@ import os
 import torch
 from torch import Tensor
 
-ROW, MULT, ADD, PROJ, ENC, BIAS, THRESH, GATE = range(8)
-STAGE_WIDTH = 8
+ROW, MULT, ADD, PROJ, ENC, BIAS, THRESH, GATE, MASK = range(9)
+STAGE_WIDTH = 9
 """The entries of one stage in a site's table (``runtime.py`` says what each means)."""
 NORM_CHANGE, FEATURE_BEFORE, FEATURE_AFTER = range(3)
 ROW_STATS = 3
@@ -44,7 +44,8 @@ def reference(
     fired: Tensor,
 ) -> tuple[Tensor, Tensor]:
     """The hook math in torch ops; see ``runtime.py`` for what the table holds."""
-    rows = hidden.shape[0]
+    rows, width = hidden.shape
+    bank = bank[:, :width]  # a site reads the first ``width`` numbers of each bank row
     stream = hidden if residual is None else hidden + residual
     x = stream.float()
     before = torch.linalg.vector_norm(x, dim=-1)
@@ -66,7 +67,9 @@ def reference(
         feature = entry[:, ENC : ENC + 1] != 0
         feature_before = torch.where(feature, f, feature_before)
         feature_after = torch.where(feature, torch.where(pre_after > thresh, pre_after, 0.0), feature_after)
-        x = x * mult + coef * v
+        mask_row = entry[:, MASK].long()
+        columns = torch.where((mask_row != 0).unsqueeze(1), bank[mask_row], 1.0)
+        x = torch.where(columns != 0, x * mult + coef * v, x)
     out = x.to(hidden.dtype)
     norm_change = (torch.linalg.vector_norm(out.float(), dim=-1) - before).unsqueeze(1)
     row_stats[:rows].copy_(torch.cat([norm_change, feature_before, feature_after], dim=1))

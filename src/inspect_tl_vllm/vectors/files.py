@@ -23,15 +23,17 @@ from inspect_tl_vllm.specs import MAX_VECTOR_ENTRY, SpecError, parse_hook_point
 from inspect_tl_vllm.vectors.versions import FileVersion, file_version
 
 
-def load_vector(ref: list[float] | str, width: int, *, where: str = "vector") -> torch.Tensor:
+def load_vector(
+    ref: list[float] | str, width: int, *, where: str = "vector", width_of: str = "the model's hidden size"
+) -> torch.Tensor:
     """A 1-D float32 vector of ``width`` finite entries within ``MAX_VECTOR_ENTRY``, or a SpecError
-    naming ``where``."""
+    naming ``where`` (and ``width_of``, what sets the width)."""
     vector = (_from_floats(ref, where) if isinstance(ref, list) else read_vector_file(ref, where)).squeeze()
     if vector.ndim != 1:
         raise SpecError(f"{where}: expected a 1-D vector, got shape {tuple(vector.shape)}")
     if vector.numel() != width:
         raise SpecError(
-            f"{where}: vector has {vector.numel()} entries but the model's hidden size is {width}; "
+            f"{where}: vector has {vector.numel()} entries but {width_of} is {width}; "
             "was it extracted from another model?"
         )
     vector = vector.to(torch.float32).contiguous()

@@ -1,0 +1,193 @@
+"""Per-head and neuron hook points on the CPU engine: captures equal transformers' tensors (fp32),
+and edits restricted to chosen heads equal the same edits made by a transformers hook."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import assert_batch_matches_solo, booted_engine
+from hf_reference import hf_activations, hf_inner_activations, load_hf
+from test_architectures import build_tiny
+
+pytestmark = pytest.mark.engine
+
+INNER = ["blocks.*.attn.*", "blocks.*.mlp.*"]
+PROMPT = "Once upon a time there was"
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Gemma2ForCausalLM"])
+def test_inner_hook_points_equal_transformers(architecture, tmp_path, vllm_ready, smollm2_dir):
+    """Qwen3 (q/k norms before the rotary embedding) and Gemma 2 (GELU gate); Llama in the test below."""
+    path = build_tiny(architecture, tmp_path / architecture, smollm2_dir)
+    with booted_engine(path, instrument={"hook_points": INNER}) as engine:
+        check_fidelity(engine, load_hf(path))
+
+
+@pytest.fixture(scope="module")
+def head_engine(vllm_ready, tiny_llama_dir: Path):
+    with booted_engine(tiny_llama_dir, instrument={"hook_points": [*INNER, "all"], "max_stack": 2}) as engine:
+        yield engine
+
+
+def check_fidelity(engine, hf) -> None:
+    hooks = sorted(
+        {s.name for s in engine.core.instrumentation.sites.values() if ".attn." in s.name or ".mlp." in s.name}
+    )
+    assert len(hooks) == 8 * hf.config.num_hidden_layers
+    out = engine.generate(PROMPT, max_tokens=4, capture={"hooks": hooks})[0]
+    reference = hf_inner_activations(hf, out.prompt_token_ids + out.token_ids[:-1])
+    errors = {h: relative_error(out.activations[h], reference[h]) for h in hooks}
+    assert max(errors.values()) < 1e-4, errors
+    d_head, heads, kv_heads = hf.config.head_dim, hf.config.num_attention_heads, hf.config.num_key_value_heads
+    rows = len(out.prompt_token_ids) + len(out.token_ids) - 1
+    assert out.activations["blocks.0.attn.hook_z"].shape == (rows, heads, d_head)
+    assert out.activations["blocks.0.attn.hook_v"].shape == (rows, kv_heads, d_head)
+    assert out.activations["blocks.0.mlp.hook_post"].shape == (rows, hf.config.intermediate_size)
+    pooled = engine.generate(PROMPT, max_tokens=2, capture={"hooks": ["blocks.1.attn.hook_z"], "reduce": "mean"})[0]
+    assert pooled.activations["blocks.1.attn.hook_z"].shape == (1, heads, d_head)
+
+
+def test_llama_inner_hook_points_equal_transformers(head_engine, tiny_llama_dir):
+    check_fidelity(head_engine, load_hf(tiny_llama_dir))
+
+
+def hf_edited(hf, token_ids: list[int], module, edit, pre: bool) -> dict[str, torch.Tensor]:
+    """transformers' residual-stream activations with ``edit`` applied to ``module``'s input or output."""
+    if pre:
+        handle = module.register_forward_pre_hook(lambda mod, args: (edit(args[0]), *args[1:]))
+    else:
+        handle = module.register_forward_hook(lambda mod, args, out: edit(out))
+    try:
+        return hf_activations(hf, token_ids)
+    finally:
+        handle.remove()
+
+
+def test_head_edits_equal_a_transformers_hook(head_engine, tiny_llama_dir):
+    """Zero- and mean-ablating one head at hook_z, adding to one head's value, scaling neurons: the
+    edited heads change and the others stay bit for bit; downstream, the residual stream and the
+    final norm equal transformers' with the same edit (fp32)."""
+    hf = load_hf(tiny_llama_dir)
+    d_head = hf.config.head_dim
+    plain = head_engine.generate(PROMPT, max_tokens=1, capture={"hooks": ["blocks.1.attn.hook_z"]})[0]
+    ids = plain.prompt_token_ids
+    z_plain = plain.activations["blocks.1.attn.hook_z"]
+    mean_head1 = z_plain[:, 1].mean(0)
+    torch.manual_seed(3)
+    value_push = torch.randn(d_head)
+    neurons = torch.randn(hf.config.intermediate_size)
+    layer = hf.model.layers[1]
+
+    def columns(x: torch.Tensor, head: int, new: torch.Tensor) -> torch.Tensor:
+        x = x.clone()
+        x[..., head * d_head : (head + 1) * d_head] = new
+        return x
+
+    cases = {
+        "zero-ablate head 1": (
+            {"hook": "blocks.1.attn.hook_z", "op": "scale", "coef": 0.0, "heads": [1]},
+            layer.self_attn.o_proj,
+            True,
+            lambda x: columns(x, 1, 0.0),
+        ),
+        "mean-ablate head 1": (
+            {"hook": "blocks.1.attn.hook_z", "op": "set", "vector": [0.0] * d_head + mean_head1.tolist(), "heads": [1]},
+            layer.self_attn.o_proj,
+            True,
+            lambda x: columns(x, 1, mean_head1),
+        ),
+        "add to the value of kv head 0": (
+            # a vector over both query heads' width would be refused: hook_v has one key-value head
+            {"hook": "blocks.1.attn.hook_v", "vector": value_push.tolist(), "coef": 2.0, "heads": [0]},
+            layer.self_attn.v_proj,
+            False,
+            lambda x: x + 2.0 * value_push,
+        ),
+        "add to the MLP neurons": (
+            {"hook": "blocks.1.mlp.hook_post", "vector": neurons.tolist(), "coef": 0.5},
+            layer.mlp.down_proj,
+            True,
+            lambda x: x + 0.5 * neurons,
+        ),
+    }
+    downstream = ["blocks.1.hook_resid_post", "blocks.2.hook_resid_post", "ln_final.hook_normalized"]
+    for name, (intervention, module, pre, edit) in cases.items():
+        out = head_engine.generate(
+            PROMPT,
+            max_tokens=1,
+            steering=[intervention],
+            capture={"hooks": ["blocks.1.attn.hook_z", *downstream], "positions": "prompt"},
+        )[0]
+        want = hf_edited(hf, ids, module, edit, pre)
+        errors = {h: relative_error(out.activations[h], want[h]) for h in downstream}
+        assert max(errors.values()) < 1e-4, (name, errors)
+        assert (
+            relative_error(
+                out.activations["ln_final.hook_normalized"], hf_activations(hf, ids)["ln_final.hook_normalized"]
+            )
+            > 1e-3
+        ), f"{name}: the edit must move the final norm, or this test proves nothing"
+        z = out.activations["blocks.1.attn.hook_z"]
+        if "ablate" in name:
+            assert torch.equal(z[:, 0], z_plain[:, 0]), f"{name}: head 0 must pass unchanged"
+            expected = 0.0 if name.startswith("zero") else mean_head1
+            torch.testing.assert_close(z[:, 1], torch.broadcast_to(torch.as_tensor(expected), z[:, 1].shape))
+        assert out.receipt["interventions"][0]["rows"] == len(ids)
+
+
+def test_heads_steering_stays_per_request_in_a_batch(head_engine):
+    """Requests ablating different heads, or scaling neurons, batched together: each equals its run alone."""
+    capture = {"hooks": ["blocks.0.attn.hook_z", "blocks.1.mlp.hook_pre"]}
+    specs = [
+        {"interventions": [{"hook": "blocks.0.attn.hook_z", "op": "scale", "coef": 0.0, "heads": [head]}]}
+        for head in (0, 1)
+    ]
+    specs.append({"interventions": [{"hook": "blocks.1.mlp.hook_pre", "op": "scale", "coef": 0.5}]})
+    specs = [{**spec, "capture": capture} for spec in specs]
+    prompts = [PROMPT, "The capital of France", "1 2 3 4"]
+    outs = assert_batch_matches_solo(head_engine, prompts, specs)
+    for head, out in zip((0, 1), outs, strict=False):
+        assert not out.activations["blocks.0.attn.hook_z"][:, head].any()
+        assert out.activations["blocks.0.attn.hook_z"][:, 1 - head].any()
+
+
+def test_head_fields_are_checked_against_the_model(head_engine):
+    from inspect_tl_vllm.specs import SpecError
+
+    bad = {
+        r"heads \[2\] do not exist at blocks.0.attn.hook_z, which has heads 0..1": {
+            "hook": "blocks.0.attn.hook_z", "op": "scale", "coef": 0.0, "heads": [2],
+        },
+        r"64 entries but the width of blocks.0.attn.hook_k \(1 heads x 32\) is 32": {
+            "hook": "blocks.0.attn.hook_k", "vector": [1.0] * 64,  # one key-value head: 32 wide
+        },
+        "zero direction within the chosen heads": {
+            "hook": "blocks.0.attn.hook_z", "op": "ablate", "vector": [1.0] * 32 + [0.0] * 32, "heads": [1],
+        },
+    }  # fmt: skip
+    for message, intervention in bad.items():
+        with pytest.raises(SpecError, match=message):
+            head_engine.generate(PROMPT, max_tokens=1, steering=[intervention])
+
+
+def test_inner_hook_points_are_refused_under_tensor_parallelism(tiny_llama_dir):
+    from transformers import AutoConfig
+
+    from inspect_tl_vllm.engine.construct import check_sharded_sites
+    from inspect_tl_vllm.engine.frontend import Instrumentation
+    from inspect_tl_vllm.specs import InstrumentConfig, SpecError
+
+    config = AutoConfig.from_pretrained(str(tiny_llama_dir))
+    residual = Instrumentation(config, InstrumentConfig(hook_points=["all"]))
+    check_sharded_sites(residual, {"tensor_parallel_size": 2})
+    heads = Instrumentation(config, InstrumentConfig(hook_points=["blocks.0.attn.hook_z"]))
+    check_sharded_sites(heads, {"tensor_parallel_size": 1})
+    with pytest.raises(SpecError, match="blocks.0.attn.hook_z.*tensor_parallel_size=2"):
+        check_sharded_sites(heads, {"tensor_parallel_size": 2})
