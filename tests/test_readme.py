@@ -43,7 +43,14 @@ def run_snippet(code: str, cwd: Path, folder: Path) -> str:
 
 
 def test_every_python_snippet_is_covered_here():
-    assert len(python_snippets()) == 2
+    assert len(python_snippets()) == 3
+
+
+def test_head_ablation_snippet(smollm2_dir, vllm_ready, tmp_path):
+    out = run_snippet(snippet('"heads": [3]'), ROOT, tmp_path / "script")
+    shape = re.search(r"^\((\d+), 9, 64\) head 3 zero: True$", out, flags=re.MULTILINE)
+    assert shape and int(shape.group(1)) > 10, out[-2000:]
+    assert re.search(r"^'.+' -> '.+'$", out, flags=re.MULTILINE), out[-2000:]
 
 
 def test_python_api_snippet(smollm2_dir, vllm_ready, tmp_path):
