@@ -29,8 +29,11 @@ def on_gpu() -> bool:
 
 
 def gpu_settings() -> dict:
-    """On a GPU: compiled with CUDA graphs, and a small memory share (engines follow each other)."""
-    return {"compiled": True, "gpu_memory_utilization": 0.3} if on_gpu() else {}
+    """On a GPU: compiled with CUDA graphs, a small memory share (engines follow each other), and
+    engine processes spawned (a second engine forked from a process that ran one cannot start CUDA)."""
+    if not on_gpu():
+        return {}
+    return {"compiled": True, "gpu_memory_utilization": 0.3, "env": {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}}
 
 
 def tolerance() -> float:
