@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import assert_batch_matches_solo, booted_engine
+from conftest import TINY, assert_batch_matches_solo, booted_engine, build_tiny_model
 from hf_reference import hf_activations, hf_inner_activations, load_hf
 from test_architectures import build_tiny
 
@@ -216,3 +216,72 @@ def test_inner_hook_points_are_refused_under_tensor_parallelism(tiny_llama_dir):
     check_sharded_sites(heads, {"tensor_parallel_size": 1})
     with pytest.raises(SpecError, match="blocks.0.attn.hook_z.*tensor_parallel_size=2"):
         check_sharded_sites(heads, {"tensor_parallel_size": 2})
+
+
+def gemma2_windowed(target: Path, tokenizer_dir: Path) -> Path:
+    """A tiny Gemma 2 whose sliding window (4, on alternate layers) and logit soft-cap both act."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(
+        vocab_size=49152,
+        **TINY,
+        query_pre_attn_scalar=24,
+        attn_logit_softcapping=2.0,
+        final_logit_softcapping=None,
+        sliding_window=4,
+        tie_word_embeddings=True,
+    )
+    return build_tiny_model("Gemma2ForCausalLM", config, target, tokenizer_dir)
+
+
+def hf_attention(path: Path, token_ids: list[int]) -> tuple[torch.Tensor, ...]:
+    """transformers' eager attention weights per layer, [head, query, key]."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32, attn_implementation="eager").eval()
+    with torch.no_grad():
+        out = model(torch.tensor([token_ids]), output_attentions=True)
+    return tuple(layer[0] for layer in out.attentions)
+
+
+@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Gemma2ForCausalLM"])
+def test_attention_patterns_equal_transformers_eager_attention(architecture, tmp_path, tiny_llama_dir, smollm2_dir):
+    """Llama (grouped-query heads) and Gemma 2 with a sliding window of 4 on alternate layers, a
+    logit soft-cap and its own query scale: every layer's pattern, prompt and generated rows."""
+    path = tiny_llama_dir if architecture == "LlamaForCausalLM" else gemma2_windowed(tmp_path / "gemma2", smollm2_dir)
+    patterns = [f"blocks.{i}.attn.hook_pattern" for i in range(TINY["num_hidden_layers"])]
+    settings = {"hook_points": patterns, "capture_bytes_per_request": 500_000}
+    with booted_engine(path, instrument=settings, **gpu_settings()) as engine:
+        prompt = PROMPT + " a little house in the woods"
+        out = engine.generate(prompt, max_tokens=4, capture={"hooks": patterns})[0]
+        ids = out.prompt_token_ids + out.token_ids[:-1]
+        assert len(out.prompt_token_ids) > 8, "the prompt must reach past the sliding window"
+        for layer, want in enumerate(hf_attention(path, ids)):
+            got = out.activations[patterns[layer]]
+            assert got.shape == (len(ids), want.shape[0], len(ids))
+            assert out.positions[patterns[layer]] == list(range(len(ids)))
+            error = float((got.permute(1, 0, 2) - want).abs().max())
+            assert error < 1e-4, (layer, error)
+        assert out.receipt["captures"] == dict.fromkeys(patterns, len(ids))
+        with pytest.raises(Exception, match="positions 'all' or 'prompt'"):
+            engine.generate(prompt, max_tokens=2, capture={"hooks": patterns[:1], "positions": "generated"})
+        with pytest.raises(Exception, match="captured only"):
+            engine.generate(prompt, max_tokens=2, steering=[{"hook": patterns[0], "op": "scale", "coef": 0.5}])
+        with pytest.raises(Exception, match="capture_bytes_per_request"):
+            engine.generate(prompt, max_tokens=200, capture={"hooks": patterns})
+
+
+def test_a_pattern_comes_back_alone_and_needs_its_query_and_key_hooked(head_engine, tiny_llama_dir):
+    from transformers import AutoConfig
+
+    from inspect_tl_vllm.engine.frontend import Instrumentation
+    from inspect_tl_vllm.specs import InstrumentConfig, SpecError, parse_request_spec
+
+    out = head_engine.generate(PROMPT, max_tokens=2, capture={"hooks": ["blocks.2.attn.hook_pattern"]})[0]
+    rows = out.activations["blocks.2.attn.hook_pattern"]
+    torch.testing.assert_close(rows.sum(-1), torch.ones(rows.shape[:2]))  # each query's weights sum to 1
+    assert set(out.activations) == {"blocks.2.attn.hook_pattern"}  # the query and key it came from are not kept
+    residual = Instrumentation(AutoConfig.from_pretrained(str(tiny_llama_dir)), InstrumentConfig(hook_points=["all"]))
+    spec = parse_request_spec({"capture": {"hooks": ["blocks.1.attn.hook_pattern"]}})
+    with pytest.raises(SpecError, match="blocks.1.attn.hook_rot_q and blocks.1.attn.hook_rot_k.*hook_points listing"):
+        residual.prepare(spec, prompt_len=4, max_tokens=2)

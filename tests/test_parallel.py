@@ -73,10 +73,10 @@ def test_parallel_workers_match_one_worker(vllm_ready, tiny_llama_dir, reference
 def test_a_hook_point_no_worker_holds_fails_boot():
     from types import SimpleNamespace
 
-    from inspect_tl_vllm.engine.frontend import check_sites_landed
+    from inspect_tl_vllm.engine.frontend import adopt_worker_status
 
     names = ["blocks.0.hook_resid_post", "ln_final.hook_normalized"]
     table = SimpleNamespace(sites={name: SimpleNamespace(name=name) for name in names})
-    check_sites_landed(table, {"sites": names})
+    adopt_worker_status(table, {"sites": names, "attention": {}})
     with pytest.raises(RuntimeError, match=r"hook points \['ln_final.hook_normalized'\] landed on no worker"):
-        check_sites_landed(table, {"sites": names[:1]})
+        adopt_worker_status(table, {"sites": names[:1], "attention": {}})

@@ -51,6 +51,8 @@ def test_head_ablation_snippet(smollm2_dir, vllm_ready, tmp_path):
     shape = re.search(r"^\((\d+), 9, 64\) head 3 zero: True$", out, flags=re.MULTILINE)
     assert shape and int(shape.group(1)) > 10, out[-2000:]
     assert re.search(r"^'.+' -> '.+'$", out, flags=re.MULTILINE), out[-2000:]
+    pattern = re.search(r"^pattern \((\d+), 9, (\d+)\) head 0 of the last query attends most to key \d+$", out, re.M)
+    assert pattern and pattern.group(1) == pattern.group(2), out[-2000:]
 
 
 def test_python_api_snippet(smollm2_dir, vllm_ready, tmp_path):

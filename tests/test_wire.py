@@ -101,6 +101,7 @@ def status(collects: bool, sites: list[str], steps: int) -> dict:
         host_seconds={"route": 0.5},
         pinned_host={"blocks_made": 0.0},
         sae_held={"encoders": 1, "groups": 0, "pools": 0, "arenas": 0},
+        attention={"3": [0.125, 0.0, 0.0]} if collects else {"4": [0.125, 4096.0, 50.0]},
     ).encode()
 
 
@@ -111,3 +112,4 @@ def test_worker_statuses_merge_recording_ranks_and_total_the_rest():
     assert merged["host_seconds"] == {"route": 0.5}
     assert merged["step_kinds"] == {"new_batch": 1, "same_batch": 0, "repeated": 4}
     assert merged["sae_held"] == {"encoders": 1, "groups": 0, "pools": 0, "arenas": 0}
+    assert merged["attention"] == {"3": [0.125, 0.0, 0.0], "4": [0.125, 4096.0, 50.0]}  # pipeline stages: the union

@@ -27,15 +27,20 @@ HEAD_HOOKS = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "a
 """Per-head hook points of a block's attention: [pos, head, d_head] per token, as TransformerLens."""
 NEURON_HOOKS = ("mlp.hook_pre", "mlp.hook_post")
 """A dense MLP's neurons: the gate's pre-activation and the input of the down projection, [pos, d_mlp]."""
+PATTERN_HOOK = "attn.hook_pattern"
+"""A block's attention pattern, captured only: computed from its hook_rot_q and hook_rot_k rows with
+the model's scale, causal mask, sliding window and soft-cap, as [query pos, head, key pos]."""
+INNER_HOOKS = HEAD_HOOKS + NEURON_HOOKS + (PATTERN_HOOK,)
+"""Every block hook point inside the attention or the MLP (enabled by name or pattern, never by 'all')."""
 FINAL_HOOK = "ln_final.hook_normalized"
 _PATTERN_CANDIDATES = [
-    *(f"blocks.{i}.{hook}" for i in range(128) for hook in BLOCK_HOOKS + HEAD_HOOKS + NEURON_HOOKS),
+    *(f"blocks.{i}.{hook}" for i in range(128) for hook in BLOCK_HOOKS + INNER_HOOKS),
     FINAL_HOOK,
 ]  # what an engine pattern ("blocks.*.attn.*") must match one of, for any model up to 128 layers
 # ASCII digits, no leading zeros: a name has one spelling, so it finds its site ("blocks.012..." and
 # other digit scripts would parse to a layer and then match no instrumented site).
 _BLOCK_RE = re.compile(
-    r"^blocks\.(0|[1-9][0-9]*)\.(" + "|".join(re.escape(h) for h in BLOCK_HOOKS + HEAD_HOOKS + NEURON_HOOKS) + r")$"
+    r"^blocks\.(0|[1-9][0-9]*)\.(" + "|".join(re.escape(h) for h in BLOCK_HOOKS + INNER_HOOKS) + r")$"
 )
 
 MAX_POSITION = 2**31 - 1
@@ -95,12 +100,12 @@ def parse_hook_point(name: str) -> tuple[int | None, str]:
         return int(match.group(1)), hook_kind(match.group(2))
     digits = re.search(r"\d+", name)  # any script, so that the hint spells the layer canonically
     layer = int(digits.group(0)) if digits else 0
-    known = [f"blocks.{layer}.{hook}" for hook in BLOCK_HOOKS + HEAD_HOOKS + NEURON_HOOKS] + [FINAL_HOOK]
+    known = [f"blocks.{layer}.{hook}" for hook in BLOCK_HOOKS + INNER_HOOKS] + [FINAL_HOOK]
     near = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
     hint = f" Did you mean {near[0]!r}?" if near else ""
     raise SpecError(
         f"unknown hook point {name!r}.{hint} Valid names: blocks.<layer>.<hook> with <hook> one of "
-        f"{', '.join(BLOCK_HOOKS + HEAD_HOOKS + NEURON_HOOKS)}; or {FINAL_HOOK}."
+        f"{', '.join(BLOCK_HOOKS + INNER_HOOKS)}; or {FINAL_HOOK}."
     )
 
 
@@ -109,6 +114,11 @@ def hook_kind(hook: str) -> str:
     module, _, name = hook.rpartition(".")
     kind = name.removeprefix("hook_")
     return f"{module}.{kind}" if module else kind
+
+
+def is_pattern(name: str) -> bool:
+    """Whether a hook point is an attention pattern (computed from the query and key; capture only)."""
+    return name.endswith("." + PATTERN_HOOK)
 
 
 def is_per_head(name: str) -> bool:
@@ -218,6 +228,11 @@ class Intervention(BaseModel):
     @classmethod
     def _hook(cls, value: str) -> str:
         parse_hook_point(value)
+        if is_pattern(value):
+            raise SpecError(
+                f"hook: {value} is computed from the query and key, so it is captured only; steer the pattern "
+                "through attn.hook_rot_q, attn.hook_rot_k or attn.hook_z"
+            )
         return value
 
     @field_validator("heads")
@@ -312,6 +327,12 @@ class Capture(BaseModel):
 
     @model_validator(mode="after")
     def _sae_fields(self) -> Capture:
+        patterns = [name for name in self.hooks if is_pattern(name)]
+        if patterns and (self.reduce != "none" or self.positions not in ("all", "prompt")):
+            raise SpecError(
+                f"hooks: {patterns[0]} needs every key row before each query: capture it with reduce 'none' and "
+                f"positions 'all' or 'prompt' (got reduce {self.reduce!r}, positions {self.positions!r})"
+            )
         if self.sae is None:
             if not self.hooks:
                 raise SpecError("hooks: name at least one hook point to capture (or give sae to capture its features)")

@@ -137,3 +137,4 @@ class WorkerStatus(Message):
     host_seconds: dict[str, float]
     pinned_host: dict[str, float]
     sae_held: dict[str, int]  # SAE encoders on the device, and the feature captures' groups, pools, arenas
+    attention: dict[str, list[float]]  # layer -> (scale, sliding window, soft-cap; 0: none) where q and k are hooked

@@ -16,7 +16,7 @@ from typing import Any
 
 from inspect_tl_vllm.aliases import model_config, resolve_model
 from inspect_tl_vllm.engine.config import additional_config
-from inspect_tl_vllm.engine.frontend import Instrumentation, check_sites_landed, merge_status
+from inspect_tl_vllm.engine.frontend import Instrumentation, adopt_worker_status, merge_status
 from inspect_tl_vllm.specs import TAG, InstrumentConfig, SpecError
 
 EXTENSION = "inspect_tl_vllm.engine.worker.TLWorkerExtension"
@@ -143,5 +143,5 @@ def construct_instrumented_llm(
         from vllm import LLM
 
         engine = LLM(**kwargs)
-        check_sites_landed(instrumentation, merge_status(engine.collective_rpc("tlvllm_status")))
+        adopt_worker_status(instrumentation, merge_status(engine.collective_rpc("tlvllm_status")))
     return InstrumentedLLM(engine, instrumentation, model_path, async_engine)

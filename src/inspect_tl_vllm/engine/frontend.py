@@ -19,9 +19,26 @@ from typing import Any
 import msgspec
 import torch
 
+from inspect_tl_vllm.engine.attention_patterns import KEY, QUERY, attention_pattern
 from inspect_tl_vllm.engine.handoff import HandoffFolder
-from inspect_tl_vllm.instrument.hookpoints import ModelShape, Site, build_sites, canonical_hook_point, layout_for
-from inspect_tl_vllm.specs import TAG, Capture, InstrumentConfig, RequestSpec, SpecError, hook_of_key
+from inspect_tl_vllm.instrument.hookpoints import (
+    ModelShape,
+    Site,
+    build_sites,
+    canonical_hook_point,
+    layout_for,
+    pattern_sources,
+)
+from inspect_tl_vllm.specs import (
+    TAG,
+    Capture,
+    InstrumentConfig,
+    RequestSpec,
+    SpecError,
+    hook_of_key,
+    is_pattern,
+    parse_hook_point,
+)
 from inspect_tl_vllm.vectors.files import load_vector, vector_hash
 from inspect_tl_vllm.vectors.sae import feature_steering, load_sae
 from inspect_tl_vllm.wire import (
@@ -145,6 +162,8 @@ class Instrumentation:
         # The workers' vector bank as the front end sees it: content hash -> how many requests in
         # flight use it, least recently used first.  Unused vectors are evicted to make room.
         self.bank: OrderedDict[str, int] = OrderedDict()
+        # per layer whose query and key are hooked: (scale, sliding window, soft-cap), from the workers
+        self.attention: dict[int, tuple[float, float, float]] = {}
         self.handoff = HandoffFolder()
 
     def site(self, hook: str, where: str) -> Site:
@@ -232,12 +251,15 @@ class Instrumentation:
             if spec.capture.sae is not None:
                 features, sae_hook = self._features(spec.capture, f"{where}: capture")
                 names = [sae_hook]
-            hooks = [(h, self.site(h, f"{where}: capture.hooks").index) for h in names]
+            sites = self._capture_sites(names, f"{where}: capture.hooks")
+            hooks = [(name, site.index) for name, site in sites]
             _check_reach(spec.capture.positions, prompt_len, max_tokens, f"{where}: capture.positions")
             per_token = spec.capture.reduce == "none" or features is not None
-            widths = [self.site(h, f"{where}: capture.hooks").width for h in names]
-            row_bytes = sum(_host_bytes_per_row(spec.capture.reduce, features, width) for width in widths)
-            need = (prompt_len + max_tokens) * row_bytes
+            rows = prompt_len + max_tokens
+            row_bytes = sum(_host_bytes_per_row(spec.capture.reduce, features, site.width) for _, site in sites)
+            # a pattern is [query, head, key] float32, and each row's query and key come back first
+            patterns = [site.heads * rows * 4 for name, site in sites if name.endswith(QUERY)]
+            need = rows * (row_bytes + sum(patterns))
             if need > self.settings.capture_bytes_per_request:
                 fewer = "a smaller top_k or fewer features" if features is not None else "fewer positions or hooks"
                 raise SpecError(
@@ -259,6 +281,25 @@ class Instrumentation:
         if steer:
             salt = hashlib.sha256(msgspec.json.encode(steer)).hexdigest()[:24]  # fields in a fixed order
         return PreparedRequest(uid, wire, vectors, salt, capture is not None, spec)
+
+    def _capture_sites(self, names: list[str], where: str) -> list[tuple[str, Site]]:
+        """The sites a capture reads, by the name its rows come back under: an attention pattern
+        reads its block's rotated query and key (``<pattern>:q``, ``<pattern>:k``)."""
+        sites = []
+        for name in names:
+            if not is_pattern(name):
+                sites.append((name, self.site(name, where)))
+                continue
+            layer, _ = parse_hook_point(name)
+            canonical_hook_point(name, self.num_layers)  # a layer past the model's: a precise error
+            query, key = pattern_sources(name)
+            if query not in self.sites or key not in self.sites or layer not in self.attention:
+                raise SpecError(
+                    f"{where}: {name} is computed from {query} and {key}, which this engine does not hook; "
+                    f"boot with hook_points listing {name} (or blocks.{layer}.attn.*)"
+                )
+            sites += [(name + QUERY, self.sites[query]), (name + KEY, self.sites[key])]
+        return sites
 
     def _features(self, capture: Capture, where: str) -> tuple[FeaturesWire, str]:
         """An SAE capture's wire form and its SAE's hook point, the SAE checked against the model
@@ -352,11 +393,36 @@ class Instrumentation:
             activations = load(payload.tensors)
         for name in payload.files:
             activations.update(self.handoff.take(name))
+        receipt, positions = payload.receipt.encode(), dict(payload.positions)
         for hook, rows in activations.items():
-            site = self.sites.get(hook)
+            site = self._site_of_key(hook)
             if site is not None and site.heads:  # per head, as TransformerLens: [pos, head, d_head]
                 activations[hook] = rows.view(*rows.shape[:-1], site.heads, site.width // site.heads)
-        return CaptureResult(payload.receipt.encode(), activations, payload.positions)
+        for query in [hook for hook in activations if hook.endswith(QUERY)]:
+            self._pattern(query[: -len(QUERY)], activations, receipt, positions)
+        return CaptureResult(receipt, activations, positions)
+
+    def _site_of_key(self, key: str) -> Site | None:
+        """The site whose rows came back under ``key``: a hook point's, or a pattern's query or key."""
+        for suffix, source in ((QUERY, 0), (KEY, 1)):
+            if key.endswith(suffix):
+                return self.sites.get(pattern_sources(key[: -len(suffix)])[source])
+        return self.sites.get(key)
+
+    def _pattern(
+        self, name: str, activations: dict[str, torch.Tensor], receipt: dict[str, Any], positions: dict[str, list[int]]
+    ) -> None:
+        """Replace a pattern's query and key rows by the pattern (``attention_patterns.py``)."""
+        q, k = activations.pop(name + QUERY), activations.pop(name + KEY)
+        kept = positions.pop(name + QUERY)
+        positions.pop(name + KEY, None)
+        layer, _ = parse_hook_point(name)
+        scale, window, soft_cap = self.attention[layer]
+        activations[name] = attention_pattern(q, k, kept, scale, window, soft_cap)
+        positions[name] = kept
+        captures = receipt.get("captures", {})
+        captures[name] = captures.pop(name + QUERY, len(kept))
+        captures.pop(name + KEY, None)
 
 
 def width_of(site: Site) -> str:
@@ -512,11 +578,14 @@ def merge_status(per_worker: list[Any]) -> dict[str, Any]:
         "host_seconds": per_recording("host_seconds"),
         "pinned_host": per_recording("pinned_host"),
         "sae_held": per_recording("sae_held"),
+        "attention": {layer: value for status in workers for layer, value in status.attention.items()},
     }
 
 
-def check_sites_landed(instrumentation: Instrumentation, status: dict[str, Any]) -> None:
-    """Every instrumented hook point must have landed on some worker (pipeline stages split them)."""
+def adopt_worker_status(instrumentation: Instrumentation, status: dict[str, Any]) -> None:
+    """At boot: every instrumented hook point must have landed on some worker (pipeline stages split
+    them); the attention settings the workers read (for attention patterns) are kept."""
+    instrumentation.attention = {int(layer): tuple(value) for layer, value in status["attention"].items()}
     landed = set(status["sites"])
     missing = sorted({site.name for site in instrumentation.sites.values()} - landed)
     if missing:

@@ -72,6 +72,7 @@ class Controller:
             act_dtype=runner.model_config.dtype,
         )
         self.handles = install_hooks(inner.layers, inner.norm, self.sites, self.runtime)
+        self.attention = attention_settings(inner.layers, self.sites)
         self.packer = ResultPacker({site.index: site.width for site in self.sites})
         self.encoders = SaeEncoders(self.runtime.device, self.runtime.act_dtype, int(hf_config.hidden_size))
         self.router = StepRouter(
@@ -229,6 +230,7 @@ class Controller:
             host_seconds=self.host_time.report(),
             pinned_host=pinned_host_stats(),
             sae_held={"encoders": len(self.encoders), **self.router.feature_holdings()},
+            attention=self.attention,
         ).encode()
 
 
@@ -245,6 +247,25 @@ def _holds(inner: Any, site: Site) -> bool:
     start = getattr(inner, "start_layer", 0)
     end = getattr(inner, "end_layer", len(inner.layers))
     return start <= site.layer < end and not _is_missing(inner.layers[site.layer])
+
+
+def attention_settings(layers: Any, sites: list[Site]) -> dict[str, list[float]]:
+    """Per layer whose rotated query and key this worker hooks: the attention's scale, sliding window
+    and logit soft-cap (0 for none), as its vLLM attention layer holds them, so the front end can
+    compute attention patterns exactly as the model attends (``engine/attention_patterns.py``)."""
+    hooked: dict[int, set[str]] = {}
+    for site in sites:
+        if site.layer is not None and site.name.endswith((".hook_rot_q", ".hook_rot_k")):
+            hooked.setdefault(site.layer, set()).add(site.name.rsplit(".", 1)[1])
+    settings = {}
+    for layer, names in hooked.items():
+        if len(names) == 2:
+            attn = layers[layer].get_submodule("self_attn.attn")
+            scale = float(getattr(attn.impl, "scale", 0.0) or 0.0)
+            window = float(getattr(attn, "sliding_window", None) or 0)
+            soft_cap = float(getattr(attn.impl, "logits_soft_cap", None) or 0.0)
+            settings[str(layer)] = [scale, window, soft_cap]
+    return settings
 
 
 def _is_missing(module: Any) -> bool:

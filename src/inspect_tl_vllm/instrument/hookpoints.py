@@ -34,14 +34,7 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Literal
 
-from inspect_tl_vllm.specs import (
-    BLOCK_HOOKS,
-    FINAL_HOOK,
-    HEAD_HOOKS,
-    NEURON_HOOKS,
-    SpecError,
-    parse_hook_point,
-)
+from inspect_tl_vllm.specs import BLOCK_HOOKS, FINAL_HOOK, INNER_HOOKS, SpecError, is_pattern, parse_hook_point
 
 SiteKind = Literal[
     "layer_in", "layer_out", "norm_in", "module_out", "final_norm_out", "arg_in", "columns_in", "columns_out"
@@ -173,8 +166,14 @@ def all_hook_points(num_layers: int) -> list[str]:
 
 def every_hook_point(num_layers: int) -> list[str]:
     """Every hook point, per-head and neuron ones included (what patterns match), model order."""
-    hooks = BLOCK_HOOKS + HEAD_HOOKS + NEURON_HOOKS
+    hooks = BLOCK_HOOKS + INNER_HOOKS
     return [*(f"blocks.{i}.{hook}" for i in range(num_layers) for hook in hooks), FINAL_HOOK]
+
+
+def pattern_sources(name: str) -> tuple[str, str]:
+    """The hook points an attention pattern is computed from: that block's rotated query and key."""
+    block = name.removesuffix("hook_pattern")
+    return block + "hook_rot_q", block + "hook_rot_k"
 
 
 def canonical_hook_point(name: str, num_layers: int) -> str:
@@ -203,6 +202,9 @@ def expand_patterns(patterns: list[str], num_layers: int) -> list[str]:
             canonical_hook_point(pattern, num_layers)  # raises a precise error for bad names
             raise SpecError(f"hook_points: pattern {pattern!r} matches no hook point of this model")
         chosen.update(matched)
+    for name in [name for name in chosen if is_pattern(name)]:  # a pattern needs its query and key, no site
+        chosen.discard(name)
+        chosen.update(pattern_sources(name))
     return [name for name in every if name in chosen]
 
 

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 
 from inspect_tl_vllm.engine.construct import InstrumentedLLM, construct_instrumented_llm
 from inspect_tl_vllm.engine.exits import oom_kills
-from inspect_tl_vllm.engine.frontend import check_sites_landed, merge_status
+from inspect_tl_vllm.engine.frontend import adopt_worker_status, merge_status
 from inspect_tl_vllm.specs import InstrumentConfig
 
 T = TypeVar("T")
@@ -78,7 +78,7 @@ class EngineThread:
                 self._model, instrument=self._instrument, async_engine=True, **self._kwargs
             )
             try:
-                check_sites_landed(
+                adopt_worker_status(
                     instrumented.instrumentation,
                     merge_status(await instrumented.llm.collective_rpc("tlvllm_status")),
                 )
