@@ -285,3 +285,39 @@ def test_a_pattern_comes_back_alone_and_needs_its_query_and_key_hooked(head_engi
     spec = parse_request_spec({"capture": {"hooks": ["blocks.1.attn.hook_pattern"]}})
     with pytest.raises(SpecError, match="blocks.1.attn.hook_rot_q and blocks.1.attn.hook_rot_k.*hook_points listing"):
         residual.prepare(spec, prompt_len=4, max_tokens=2)
+
+
+def test_an_eval_stores_per_head_and_pattern_captures_beside_its_log(vllm_ready, tiny_llama_dir, tmp_path):
+    """Through Inspect: `-M capture=` of a head hook point and a pattern, stored per sample and read
+    back with the shapes the engine returned, and one Parquet row per position."""
+    from inspect_ai import Task, eval
+    from inspect_ai.dataset import Sample
+    from inspect_ai.model import GenerateConfig
+    from inspect_ai.solver import generate
+
+    from conftest import PROVIDER_ARGS, environment
+    from inspect_tl_vllm.store import activations
+
+    pytest.importorskip("pyarrow")
+
+    def run(capture: str, folder: str):  # one engine serves both evals (same engine settings)
+        args = {**PROVIDER_ARGS, "hook_points": "blocks.1.attn.*", "capture": capture, "capture_reduce": "none"}
+        task = Task(
+            dataset=[Sample(id="q1", input="Hello there")], solver=generate(), config=GenerateConfig(max_tokens=3)
+        )
+        with environment(TORCH_COMPILE_DISABLE="1"):
+            log = eval(
+                task, model=f"tl-vllm/{tiny_llama_dir}", model_args=args, log_dir=str(tmp_path / folder), display="none"
+            )[0]
+        assert log.status == "success", log.error
+        return log
+
+    log = run("blocks.1.attn.hook_z,blocks.1.attn.hook_pattern", "both")
+    (record,) = activations.load(log.location)
+    z, pattern = record.activations["blocks.1.attn.hook_z"], record.activations["blocks.1.attn.hook_pattern"]
+    rows = z.shape[0]
+    assert z.shape == (rows, 2, 32) and pattern.shape == (rows, 2, rows)
+    assert record.positions["blocks.1.attn.hook_pattern"] == list(range(rows))
+    table = activations.arrow_reader(run("blocks.1.attn.hook_z", "heads").location).read_all().to_pydict()
+    assert table["position"] == list(range(rows))  # one row per position: heads x d_head numbers
+    assert {len(vector) for vector in table["vector"]} == {64}

@@ -277,7 +277,9 @@ def _parquet_blocks(
         reduced = record.index.get("reduce") not in (None, "none")
         stored = record.positions
         for hook, tensor in record.activations.items():
-            rows = tensor.float().reshape(-1, tensor.shape[-1]).numpy()
+            # one row per position: a per-head capture's [pos, head, d_head] row is heads x d_head long
+            flat = tensor.reshape(tensor.shape[0], -1) if tensor.ndim > 2 else tensor.reshape(-1, tensor.shape[-1])
+            rows = flat.float().numpy()
             if reduced:
                 yield record, hook, rows, [None] * len(rows)
             else:
