@@ -65,3 +65,36 @@ def test_architecture_fidelity_and_steering(architecture, tmp_path, vllm_ready, 
         steered = engine.generate("Once upon a time", max_tokens=12, steering=steer)[0]
         expected = hf_greedy(hf, out.prompt_token_ids, 12, edit=lambda h: h + 3.0 * vector, layer=1)
         assert steered.token_ids == expected
+
+
+@pytest.mark.parametrize("architecture", ["MixtralForCausalLM", "OlmoeForCausalLM", "Qwen3MoeForCausalLM"])
+def test_router_logits_equal_transformers_and_steer_the_routing(architecture, tmp_path, vllm_ready, smollm2_dir):
+    """``mlp.hook_router_logits``: the router's logits per token as transformers' router computes
+    them; raising one expert's logit at every position makes the block route to it."""
+    path = build_tiny(architecture, tmp_path / architecture, smollm2_dir)
+    router = "blocks.1.mlp.hook_router_logits"
+    with booted_engine(path, instrument={"hook_points": ["blocks.*.mlp.hook_router_logits", "all"]}) as engine:
+        hf = load_hf(path)
+        out = engine.generate("Once upon a time", max_tokens=4, capture={"hooks": [router, "blocks.1.hook_mlp_out"]})[0]
+        kept: list[torch.Tensor] = []
+        handle = hf.model.layers[1].mlp.gate.register_forward_hook(lambda mod, args, res: kept.append(res[0]))
+        try:
+            with torch.no_grad():
+                hf(torch.tensor([out.prompt_token_ids + out.token_ids[:-1]]))
+        finally:
+            handle.remove()
+        logits = out.activations[router]
+        assert logits.shape == (len(out.prompt_token_ids) + 3, 4)
+        assert float((logits - kept[0]).norm() / kept[0].norm()) < 1e-4
+        push = [0.0, 0.0, 0.0, 100.0]  # expert 3 wins every token's top 2
+        steered = engine.generate(
+            "Once upon a time",
+            max_tokens=4,
+            steering=[{"hook": router, "vector": push}],
+            capture={"hooks": [router, "blocks.1.hook_mlp_out"]},
+        )[0]
+        assert bool((steered.activations[router].argmax(-1) == 3).all())
+        torch.testing.assert_close(steered.activations[router][:4], logits[:4] + torch.tensor(push))
+        assert not torch.allclose(
+            steered.activations["blocks.1.hook_mlp_out"][:4], out.activations["blocks.1.hook_mlp_out"][:4]
+        )

@@ -27,10 +27,12 @@ HEAD_HOOKS = ("attn.hook_q", "attn.hook_k", "attn.hook_v", "attn.hook_rot_q", "a
 """Per-head hook points of a block's attention: [pos, head, d_head] per token, as TransformerLens."""
 NEURON_HOOKS = ("mlp.hook_pre", "mlp.hook_post")
 """A dense MLP's neurons: the gate's pre-activation and the input of the down projection, [pos, d_mlp]."""
+ROUTER_HOOK = "mlp.hook_router_logits"
+"""A mixture-of-experts block's router logits, [pos, experts] (its top-k picks the experts)."""
 PATTERN_HOOK = "attn.hook_pattern"
 """A block's attention pattern, captured only: computed from its hook_rot_q and hook_rot_k rows with
 the model's scale, causal mask, sliding window and soft-cap, as [query pos, head, key pos]."""
-INNER_HOOKS = HEAD_HOOKS + NEURON_HOOKS + (PATTERN_HOOK,)
+INNER_HOOKS = HEAD_HOOKS + NEURON_HOOKS + (ROUTER_HOOK, PATTERN_HOOK)
 """Every block hook point inside the attention or the MLP (enabled by name or pattern, never by 'all')."""
 FINAL_HOOK = "ln_final.hook_normalized"
 _PATTERN_CANDIDATES = [

@@ -26,6 +26,8 @@ ones above) sit inside the attention and the dense MLP of dense families:
   key-value heads).
 - ``mlp.hook_pre``: the gate projection (before its activation); ``mlp.hook_post``: the gated
   activation entering the down projection.  Rows are d_mlp wide.
+- ``mlp.hook_router_logits`` (mixture-of-experts blocks): the router's logits, one per expert; the
+  block routes each token to their top k, so steering them moves the routing.
 """
 
 from __future__ import annotations
@@ -45,17 +47,18 @@ SiteKind = Literal[
 class ArchLayout:
     """Names of the submodules (inside one decoder layer) that carry each hook point.
 
-    ``dense_mlp`` is False for mixture-of-experts blocks, which have no single MLP's neurons."""
+    ``router`` names a mixture-of-experts block's router (None for a dense MLP, whose neurons have
+    hook points of their own)."""
 
     resid_mid_norm: str
     attn_out_module: str
     mlp_out_module: str
-    dense_mlp: bool = True
+    router: str | None = None
 
 
 _LLAMA_LIKE = ArchLayout("post_attention_layernorm", "self_attn", "mlp")
 _GEMMA_LIKE = ArchLayout("pre_feedforward_layernorm", "post_attention_layernorm", "post_feedforward_layernorm")
-_MOE = ArchLayout("post_attention_layernorm", "self_attn", "mlp", dense_mlp=False)
+_MOE = ArchLayout("post_attention_layernorm", "self_attn", "mlp", router="mlp.gate")
 
 ARCHITECTURES: dict[str, ArchLayout] = {
     "LlamaForCausalLM": _LLAMA_LIKE,
@@ -66,7 +69,9 @@ ARCHITECTURES: dict[str, ArchLayout] = {
     "Gemma2ForCausalLM": _GEMMA_LIKE,
     "Gemma3ForCausalLM": _GEMMA_LIKE,
     # Mixture-of-experts blocks: mlp_out is the weighted sum of the chosen experts' outputs.
-    "MixtralForCausalLM": ArchLayout("post_attention_layernorm", "self_attn", "block_sparse_moe", dense_mlp=False),
+    "MixtralForCausalLM": ArchLayout(
+        "post_attention_layernorm", "self_attn", "block_sparse_moe", router="block_sparse_moe.gate"
+    ),
     "OlmoeForCausalLM": _MOE,
     "Qwen3MoeForCausalLM": _MOE,
 }
@@ -83,6 +88,7 @@ _INNER_SITES: dict[str, tuple[SiteKind, str]] = {
     "attn.z": ("arg_in", "self_attn.o_proj"),
     "mlp.pre": ("columns_in", "mlp.act_fn"),  # act_fn([gate | up]): the gate half
     "mlp.post": ("module_out", "mlp.act_fn"),
+    "mlp.router_logits": ("columns_out", ""),  # the router's linear layer returns (logits, bias)
 }
 
 
@@ -102,6 +108,7 @@ class ModelShape:
     n_kv_heads: int
     d_head: int
     d_mlp: int
+    n_experts: int = 0
 
     @classmethod
     def of(cls, config: object) -> ModelShape:
@@ -115,6 +122,7 @@ class ModelShape:
             n_kv_heads=int(getattr(config, "num_key_value_heads", None) or n_heads),
             d_head=int(d_head),
             d_mlp=int(getattr(config, "intermediate_size", 0) or 0),
+            n_experts=int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0),
         )
 
     def heads(self, kind: str) -> int:
@@ -127,6 +135,8 @@ class ModelShape:
         """Numbers per token row at a hook point of this kind."""
         if kind.startswith("attn."):
             return self.heads(kind) * self.d_head
+        if kind == "mlp.router_logits":
+            return self.n_experts
         return self.d_mlp if kind.startswith("mlp.") else self.d_model
 
 
@@ -235,12 +245,16 @@ def _make_site(index: int, name: str, layout: ArchLayout, shape: ModelShape, arc
     if kind == "resid_mid":
         return Site(index, name, "norm_in", layer, layout.resid_mid_norm, width)
     if kind in _INNER_SITES:
-        if kind.startswith("mlp.") and not layout.dense_mlp:
+        model = architecture or "this model"
+        if kind in ("mlp.pre", "mlp.post") and layout.router is not None:
             raise SpecError(
-                f"hook point {name!r}: {architecture or 'this model'}'s MLP is a mixture of experts; neuron hook "
-                "points (mlp.hook_pre, mlp.hook_post) exist for dense MLPs only (use hook_mlp_out)"
+                f"hook point {name!r}: {model}'s MLP is a mixture of experts; neuron hook points (mlp.hook_pre, "
+                "mlp.hook_post) exist for dense MLPs only (use hook_mlp_out, or mlp.hook_router_logits)"
             )
+        if kind == "mlp.router_logits" and layout.router is None:
+            raise SpecError(f"hook point {name!r}: {model}'s MLP is dense; only a mixture of experts has a router")
         site_kind, module = _INNER_SITES[kind]
+        module = module or layout.router
         return Site(index, name, site_kind, layer, module, width, heads=shape.heads(kind), arg=_site_arg(kind, shape))
     module = layout.attn_out_module if kind == "attn_out" else layout.mlp_out_module
     return Site(index, name, "module_out", layer, module, width)
