@@ -18,19 +18,32 @@ def _first(x: object) -> torch.Tensor:
     return x[0] if isinstance(x, tuple) else x  # type: ignore[index,return-value]
 
 
-GEMMA_LIKE = ("gemma2", "gemma3_text")
+POST_NORMED = ("gemma2", "gemma3_text", "olmo2")
+"""Families whose blocks normalise their attention and MLP outputs before adding them."""
+UNFUSED = ("olmo2", "gpt_neox", "gpt2")
+"""Families without a module whose input is resid_mid (no hook for it)."""
+
+
+def hf_stack(model) -> tuple[object, object]:
+    """A transformers causal LM's decoder layers and final norm."""
+    if model.config.model_type == "gpt2":
+        return model.transformer.h, model.transformer.ln_f
+    if model.config.model_type == "gpt_neox":
+        return model.gpt_neox.layers, model.gpt_neox.final_layer_norm
+    return model.model.layers, model.model.norm
 
 
 def hf_activations(model, token_ids: list[int]) -> dict[str, torch.Tensor]:
     """Every hook point's value (rows = positions) for one forward over ``token_ids``.
 
     attn_out / mlp_out are the tensors each block adds to the residual stream: the outputs of
-    ``self_attn`` / ``mlp``, or for Gemma of ``post_attention_layernorm`` / ``post_feedforward_layernorm``.
+    the attention and the MLP, or for post-normed families (Gemma, OLMo-2) of
+    ``post_attention_layernorm`` / ``post_feedforward_layernorm``.
     """
     acts: dict[str, torch.Tensor] = {}
     handles = []
-    layers = model.model.layers
-    gemma = model.config.model_type in GEMMA_LIKE
+    layers, final_norm = hf_stack(model)
+    kind = model.config.model_type
 
     def keep(name: str, pre: bool = False) -> Callable:
         if pre:
@@ -40,18 +53,21 @@ def hf_activations(model, token_ids: list[int]) -> dict[str, torch.Tensor]:
     for i, layer in enumerate(layers):
         handles.append(layer.register_forward_pre_hook(keep(f"blocks.{i}.hook_resid_pre", pre=True), with_kwargs=True))
         handles.append(layer.register_forward_hook(keep(f"blocks.{i}.hook_resid_post")))
-        attn = layer.post_attention_layernorm if gemma else layer.self_attn
-        mlp = layer.post_feedforward_layernorm if gemma else layer.mlp
+        if kind in POST_NORMED:
+            attn, mlp = layer.post_attention_layernorm, layer.post_feedforward_layernorm
+        else:
+            attn = {"gpt2": getattr(layer, "attn", None), "gpt_neox": getattr(layer, "attention", None)}.get(kind)
+            attn, mlp = attn or layer.self_attn, layer.mlp
         handles.append(attn.register_forward_hook(keep(f"blocks.{i}.hook_attn_out")))
         handles.append(mlp.register_forward_hook(keep(f"blocks.{i}.hook_mlp_out")))
-    handles.append(model.model.norm.register_forward_hook(keep("ln_final.hook_normalized")))
+    handles.append(final_norm.register_forward_hook(keep("ln_final.hook_normalized")))
     try:
         with torch.no_grad():
             model(torch.tensor([token_ids]))
     finally:
         for handle in handles:
             handle.remove()
-    for i in range(len(layers)):
+    for i in range(len(layers) if kind not in UNFUSED else 0):
         acts[f"blocks.{i}.hook_resid_mid"] = acts[f"blocks.{i}.hook_resid_pre"] + acts[f"blocks.{i}.hook_attn_out"]
     return acts
 
@@ -66,7 +82,7 @@ def hf_greedy(
     """Greedy tokens, with ``edit`` applied to the output of decoder layer ``layer`` at every position."""
     handle = None
     if edit is not None:
-        handle = model.model.layers[layer].register_forward_hook(
+        handle = hf_stack(model)[0][layer].register_forward_hook(
             lambda mod, args, out: (edit(out[0]), *out[1:]) if isinstance(out, tuple) else edit(out)
         )
     try:

@@ -14,7 +14,27 @@ from hf_reference import hf_activations, hf_greedy, load_hf
 pytestmark = pytest.mark.engine
 
 MOE = {"num_experts_per_tok": 2, "eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 2}
+TOKENS = {"eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 2}
+OWN_NAMES = {  # families whose configs do not take TINY's field names: the same sizes in theirs
+    "GPT2LMHeadModel": (
+        "GPT2Config",
+        {"n_embd": 64, "n_layer": 3, "n_head": 2, "n_inner": 128, "n_positions": 512, **TOKENS},
+    ),
+    "GPTNeoXForCausalLM": (
+        "GPTNeoXConfig",
+        {
+            "hidden_size": 64,
+            "num_hidden_layers": 3,
+            "num_attention_heads": 2,
+            "intermediate_size": 128,
+            "max_position_embeddings": 512,
+            "rotary_pct": 0.5,
+            **TOKENS,
+        },
+    ),
+}
 CONFIGS = {
+    "Olmo2ForCausalLM": ("Olmo2Config", TOKENS),
     "MistralForCausalLM": ("MistralConfig", {}),
     "Phi3ForCausalLM": ("Phi3Config", {"eos_token_id": 2, "bos_token_id": 1, "pad_token_id": 2}),
     "MixtralForCausalLM": ("MixtralConfig", {**MOE, "num_local_experts": 4}),
@@ -42,12 +62,16 @@ CONFIGS = {
 def build_tiny(architecture: str, target: Path, tokenizer_dir: Path) -> Path:
     import transformers
 
-    config_name, extra = CONFIGS[architecture]
-    config = getattr(transformers, config_name)(**{"vocab_size": 49152, "tie_word_embeddings": False, **TINY, **extra})
+    if architecture in OWN_NAMES:
+        config_name, fields = OWN_NAMES[architecture]
+    else:
+        config_name, extra = CONFIGS[architecture]
+        fields = {**TINY, **extra}
+    config = getattr(transformers, config_name)(**{"vocab_size": 49152, "tie_word_embeddings": False, **fields})
     return build_tiny_model(architecture, config, target, tokenizer_dir)
 
 
-@pytest.mark.parametrize("architecture", sorted(CONFIGS))
+@pytest.mark.parametrize("architecture", sorted([*CONFIGS, *OWN_NAMES]))
 def test_architecture_fidelity_and_steering(architecture, tmp_path, vllm_ready, smollm2_dir):
     path = build_tiny(architecture, tmp_path / architecture, smollm2_dir)
     with booted_engine(path, instrument={"hook_points": ["all"]}) as engine:

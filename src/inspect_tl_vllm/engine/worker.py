@@ -56,9 +56,10 @@ class Controller:
         architecture = runner.model_config.architectures[0]
         layout = layout_for(architecture)
         table = build_sites(layout, ModelShape.of(hf_config), settings["hook_points"], architecture)
-        inner = model.model
+        inner = model.get_submodule(layout.model)
+        layers, final_norm = getattr(inner, layout.layers), getattr(inner, layout.final_norm)
         every_site = sorted({site.index: site for site in table.values()}.values(), key=lambda s: s.index)
-        self.sites = [site for site in every_site if _holds(inner, site)]
+        self.sites = [site for site in every_site if _holds(inner, layers, final_norm, site)]
         self.owned = {site.index for site in self.sites}
         self.every_site = {site.index for site in every_site}
         device = next(model.parameters()).device
@@ -71,8 +72,8 @@ class Controller:
             device=device,
             act_dtype=runner.model_config.dtype,
         )
-        self.handles = install_hooks(inner.layers, inner.norm, self.sites, self.runtime)
-        self.attention = attention_settings(inner.layers, self.sites)
+        self.handles = install_hooks(layers, final_norm, self.sites, self.runtime, layout)
+        self.attention = attention_settings(layers, self.sites, layout.attention)
         self.packer = ResultPacker({site.index: site.width for site in self.sites})
         self.encoders = SaeEncoders(self.runtime.device, self.runtime.act_dtype, int(hf_config.hidden_size))
         self.router = StepRouter(
@@ -240,16 +241,16 @@ def batch_indices(states: list[RequestState], index_of: dict[str, int]) -> np.nd
     return np.fromiter((index_of.get(s.req_id, -1) for s in states), dtype=np.int64, count=len(states))
 
 
-def _holds(inner: Any, site: Site) -> bool:
+def _holds(inner: Any, layers: Any, final_norm: Any, site: Site) -> bool:
     """Whether this pipeline stage runs the module a site hooks (all of them without PP)."""
     if site.layer is None:
-        return not _is_missing(inner.norm)
+        return not _is_missing(final_norm)
     start = getattr(inner, "start_layer", 0)
-    end = getattr(inner, "end_layer", len(inner.layers))
-    return start <= site.layer < end and not _is_missing(inner.layers[site.layer])
+    end = getattr(inner, "end_layer", len(layers))
+    return start <= site.layer < end and not _is_missing(layers[site.layer])
 
 
-def attention_settings(layers: Any, sites: list[Site]) -> dict[str, list[float]]:
+def attention_settings(layers: Any, sites: list[Site], attention: str) -> dict[str, list[float]]:
     """Per layer whose rotated query and key this worker hooks: the attention's scale, sliding window
     and logit soft-cap (0 for none), as its vLLM attention layer holds them, so the front end can
     compute attention patterns exactly as the model attends (``engine/attention_patterns.py``)."""
@@ -260,7 +261,7 @@ def attention_settings(layers: Any, sites: list[Site]) -> dict[str, list[float]]
     settings = {}
     for layer, names in hooked.items():
         if len(names) == 2:
-            attn = layers[layer].get_submodule("self_attn.attn")
+            attn = layers[layer].get_submodule(attention)
             scale = float(getattr(attn.impl, "scale", 0.0) or 0.0)
             window = float(getattr(attn, "sliding_window", None) or 0)
             soft_cap = float(getattr(attn.impl, "logits_soft_cap", None) or 0.0)

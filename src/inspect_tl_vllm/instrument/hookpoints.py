@@ -36,7 +36,15 @@ import fnmatch
 from dataclasses import dataclass
 from typing import Literal
 
-from inspect_tl_vllm.specs import BLOCK_HOOKS, FINAL_HOOK, INNER_HOOKS, SpecError, is_pattern, parse_hook_point
+from inspect_tl_vllm.specs import (
+    BLOCK_HOOKS,
+    FINAL_HOOK,
+    INNER_HOOKS,
+    ROUTER_HOOK,
+    SpecError,
+    is_pattern,
+    parse_hook_point,
+)
 
 SiteKind = Literal[
     "layer_in", "layer_out", "norm_in", "module_out", "final_norm_out", "arg_in", "columns_in", "columns_out"
@@ -45,20 +53,38 @@ SiteKind = Literal[
 
 @dataclass(frozen=True)
 class ArchLayout:
-    """Names of the submodules (inside one decoder layer) that carry each hook point.
+    """Where each hook point lives in one family's vLLM model.
 
-    ``router`` names a mixture-of-experts block's router (None for a dense MLP, whose neurons have
-    hook points of their own)."""
+    ``model``, ``layers`` and ``final_norm`` lead from the causal LM to its decoder stack, its
+    layers and its final norm.  Inside a layer: the norm whose input is ``resid_mid`` (None where
+    the residual is not handed to a norm, so ``resid_mid`` has no hook), the modules whose outputs
+    are ``attn_out`` and ``mlp_out``, the fused query-key-value projection, the attention op, the
+    output projection and the MLP's activation (``gated``: it takes ``[gate | up]``).  ``router``
+    names a mixture-of-experts block's router (None for a dense MLP, whose neurons have hook points
+    of their own).  ``fused_residual``: layers take and return ``(hidden, residual)`` with the add
+    folded into the next norm (vLLM's Llama-like families); otherwise a layer returns the stream.
+    ``hidden_arg`` is the position of the hidden states among a layer's arguments."""
 
-    resid_mid_norm: str
+    resid_mid_norm: str | None
     attn_out_module: str
     mlp_out_module: str
     router: str | None = None
+    model: str = "model"
+    layers: str = "layers"
+    final_norm: str = "norm"
+    fused_residual: bool = True
+    hidden_arg: int = 1
+    qkv: str = "self_attn.qkv_proj"
+    attention: str = "self_attn.attn"
+    out_proj: str = "self_attn.o_proj"
+    act: str = "mlp.act_fn"
+    gated: bool = True
 
 
 _LLAMA_LIKE = ArchLayout("post_attention_layernorm", "self_attn", "mlp")
 _GEMMA_LIKE = ArchLayout("pre_feedforward_layernorm", "post_attention_layernorm", "post_feedforward_layernorm")
 _MOE = ArchLayout("post_attention_layernorm", "self_attn", "mlp", router="mlp.gate")
+_UNFUSED = {"fused_residual": False}
 
 ARCHITECTURES: dict[str, ArchLayout] = {
     "LlamaForCausalLM": _LLAMA_LIKE,
@@ -74,21 +100,52 @@ ARCHITECTURES: dict[str, ArchLayout] = {
     ),
     "OlmoeForCausalLM": _MOE,
     "Qwen3MoeForCausalLM": _MOE,
+    # Post-norm: each block's output is normalised before it is added (as Gemma's).
+    "Olmo2ForCausalLM": ArchLayout(None, "post_attention_layernorm", "post_feedforward_layernorm", **_UNFUSED),
+    # Attention and MLP both read the block's input when use_parallel_residual (Pythia).
+    "GPTNeoXForCausalLM": ArchLayout(
+        None,
+        "attention",
+        "mlp",
+        model="gpt_neox",
+        final_norm="final_layer_norm",
+        qkv="attention.query_key_value",
+        attention="attention.attn",
+        out_proj="attention.dense",
+        act="mlp.act",
+        gated=False,
+        **_UNFUSED,
+    ),
+    "GPT2LMHeadModel": ArchLayout(
+        None,
+        "attn",
+        "mlp",
+        model="transformer",
+        layers="h",
+        final_norm="ln_f",
+        hidden_arg=0,
+        qkv="attn.c_attn",
+        attention="attn.attn",
+        out_proj="attn.c_proj",
+        act="mlp.act",
+        gated=False,
+        **_UNFUSED,
+    ),
 }
 
-# Per-head and neuron hook points: (kind, submodule of the decoder layer). vLLM's dense families
-# share these names: self_attn.{qkv_proj, attn, o_proj}, mlp.act_fn.  ``_site_arg`` says which
-# argument, or the first column of the part of a fused tensor, carries each.
+# Per-head and neuron hook points: (kind, the ArchLayout field naming the submodule of the decoder
+# layer).  ``_site_arg`` says which argument, or the first column of the part of a fused tensor,
+# carries each.
 _INNER_SITES: dict[str, tuple[SiteKind, str]] = {
-    "attn.q": ("columns_out", "self_attn.qkv_proj"),  # [q | k | v]
-    "attn.k": ("columns_out", "self_attn.qkv_proj"),
-    "attn.rot_q": ("arg_in", "self_attn.attn"),  # attn(q, k, v)
-    "attn.rot_k": ("arg_in", "self_attn.attn"),
-    "attn.v": ("arg_in", "self_attn.attn"),
-    "attn.z": ("arg_in", "self_attn.o_proj"),
-    "mlp.pre": ("columns_in", "mlp.act_fn"),  # act_fn([gate | up]): the gate half
-    "mlp.post": ("module_out", "mlp.act_fn"),
-    "mlp.router_logits": ("columns_out", ""),  # the router's linear layer returns (logits, bias)
+    "attn.q": ("columns_out", "qkv"),  # [q | k | v]
+    "attn.k": ("columns_out", "qkv"),
+    "attn.rot_q": ("arg_in", "attention"),  # attn(q, k, v), after the rotary embedding (if any)
+    "attn.rot_k": ("arg_in", "attention"),
+    "attn.v": ("arg_in", "attention"),
+    "attn.z": ("arg_in", "out_proj"),
+    "mlp.pre": ("columns_in", "act"),  # a gated act([gate | up]): the gate half; else its input
+    "mlp.post": ("module_out", "act"),
+    "mlp.router_logits": ("columns_out", "router"),  # the router's linear layer returns (logits, bias)
 }
 
 
@@ -121,7 +178,8 @@ class ModelShape:
             n_heads=n_heads,
             n_kv_heads=int(getattr(config, "num_key_value_heads", None) or n_heads),
             d_head=int(d_head),
-            d_mlp=int(getattr(config, "intermediate_size", 0) or 0),
+            # GPT-2's is n_inner, or 4 x d_model when unset
+            d_mlp=int(getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * d_model),
             n_experts=int(getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0),
         )
 
@@ -168,15 +226,26 @@ class Site:
     arg: int = 0
 
 
-def all_hook_points(num_layers: int) -> list[str]:
-    """Every residual-width hook point (what ``all`` enables), model order."""
-    names = [f"blocks.{i}.{hook}" for i in range(num_layers) for hook in BLOCK_HOOKS]
-    return [*names, FINAL_HOOK]
+def _exists(hook: str, layout: ArchLayout | None) -> bool:
+    """Whether a family has a block hook point (any family, for ``layout`` None)."""
+    if layout is None:
+        return True
+    if hook == "hook_resid_mid":
+        return layout.resid_mid_norm is not None
+    if hook in ("mlp.hook_pre", "mlp.hook_post"):
+        return layout.router is None
+    return hook != ROUTER_HOOK or layout.router is not None
 
 
-def every_hook_point(num_layers: int) -> list[str]:
-    """Every hook point, per-head and neuron ones included (what patterns match), model order."""
-    hooks = BLOCK_HOOKS + INNER_HOOKS
+def all_hook_points(num_layers: int, layout: ArchLayout | None = None) -> list[str]:
+    """Every residual-width hook point of a family (what ``all`` enables), model order."""
+    hooks = [hook for hook in BLOCK_HOOKS if _exists(hook, layout)]
+    return [*(f"blocks.{i}.{hook}" for i in range(num_layers) for hook in hooks), FINAL_HOOK]
+
+
+def every_hook_point(num_layers: int, layout: ArchLayout | None = None) -> list[str]:
+    """Every hook point of a family, per-head and neuron ones included (what patterns match), model order."""
+    hooks = [hook for hook in BLOCK_HOOKS + INNER_HOOKS if _exists(hook, layout)]
     return [*(f"blocks.{i}.{hook}" for i in range(num_layers) for hook in hooks), FINAL_HOOK]
 
 
@@ -196,18 +265,23 @@ def canonical_hook_point(name: str, num_layers: int) -> str:
     return name
 
 
-def expand_patterns(patterns: list[str], num_layers: int) -> list[str]:
+def expand_patterns(patterns: list[str], num_layers: int, layout: ArchLayout | None = None) -> list[str]:
     """Engine hook point patterns ('*' wildcards, 'all') -> concrete names, model order.
 
     ``all`` is every residual-width hook point; per-head and neuron ones are named or matched
-    by a pattern (``blocks.*.attn.hook_z``), since each costs a buffer of its own width."""
-    every = every_hook_point(num_layers)
+    by a pattern (``blocks.*.attn.hook_z``), since each costs a buffer of its own width.  A
+    pattern matches the hook points the family has; a name it lacks is kept, so that building
+    its site says why."""
+    every = every_hook_point(num_layers, layout)
     chosen: set[str] = set()
     for pattern in patterns:
         if pattern == "all":
-            chosen.update(all_hook_points(num_layers))
+            chosen.update(all_hook_points(num_layers, layout))
             continue
         matched = fnmatch.filter(every, pattern)
+        if "*" not in pattern and not matched and pattern in every_hook_point(num_layers):
+            matched = [pattern]
+            every = [*every, pattern]
         if not matched:
             canonical_hook_point(pattern, num_layers)  # raises a precise error for bad names
             raise SpecError(f"hook_points: pattern {pattern!r} matches no hook point of this model")
@@ -222,7 +296,7 @@ def build_sites(layout: ArchLayout, shape: ModelShape, patterns: list[str], arch
     """Map every enabled hook point name to its Site; names that alias share one Site."""
     by_canonical: dict[str, Site] = {}
     table: dict[str, Site] = {}
-    for name in expand_patterns(patterns, shape.num_layers):
+    for name in expand_patterns(patterns, shape.num_layers, layout):
         canon = canonical_hook_point(name, shape.num_layers)
         site = by_canonical.get(canon)
         if site is None:
@@ -237,12 +311,17 @@ def _make_site(index: int, name: str, layout: ArchLayout, shape: ModelShape, arc
     layer, kind = parse_hook_point(name)
     width = shape.width(kind)
     if kind == "ln_final":
-        return Site(index, name, "final_norm_out", None, "norm", width)
+        return Site(index, name, "final_norm_out", None, layout.final_norm, width)
     if kind == "resid_pre":
         return Site(index, name, "layer_in", layer, None, width)
     if kind == "resid_post":
         return Site(index, name, "layer_out", layer, None, width)
     if kind == "resid_mid":
+        if layout.resid_mid_norm is None:
+            raise SpecError(
+                f"hook point {name!r}: {architecture or 'this model'} hands the residual stream between attention "
+                "and MLP to no module, so resid_mid has no hook here; use resid_pre/resid_post, attn_out or mlp_out"
+            )
         return Site(index, name, "norm_in", layer, layout.resid_mid_norm, width)
     if kind in _INNER_SITES:
         model = architecture or "this model"
@@ -253,8 +332,10 @@ def _make_site(index: int, name: str, layout: ArchLayout, shape: ModelShape, arc
             )
         if kind == "mlp.router_logits" and layout.router is None:
             raise SpecError(f"hook point {name!r}: {model}'s MLP is dense; only a mixture of experts has a router")
-        site_kind, module = _INNER_SITES[kind]
-        module = module or layout.router
+        site_kind, field = _INNER_SITES[kind]
+        module = getattr(layout, field)
+        if kind == "mlp.pre" and not layout.gated:  # the activation's whole input
+            site_kind = "arg_in"
         return Site(index, name, site_kind, layer, module, width, heads=shape.heads(kind), arg=_site_arg(kind, shape))
     module = layout.attn_out_module if kind == "attn_out" else layout.mlp_out_module
     return Site(index, name, "module_out", layer, module, width)

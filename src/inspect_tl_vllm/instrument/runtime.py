@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from inspect_tl_vllm.instrument import site_op  # noqa: F401  (registers torch.ops.tlvllm.site_hook)
-from inspect_tl_vllm.instrument.hookpoints import Site
+from inspect_tl_vllm.instrument.hookpoints import ArchLayout, Site
 from inspect_tl_vllm.instrument.site_op import ROW_STATS
 
 IDENTITY_STAGE = (0.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
@@ -108,14 +108,16 @@ class HookRuntime:
         return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def install_hooks(layers: nn.ModuleList, final_norm: nn.Module, sites: list[Site], runtime: HookRuntime) -> list[Any]:
+def install_hooks(
+    layers: nn.ModuleList, final_norm: nn.Module, sites: list[Site], runtime: HookRuntime, layout: ArchLayout
+) -> list[Any]:
     """Register one forward (pre-)hook per site; returns the handles.
 
     Must run before the first forward pass: torch.compile traces the hooks with the model.
     """
     handles = []
     for site in sites:
-        hook = _make_hook(site, runtime)
+        hook = _make_hook(site, runtime, layout)
         if site.kind == "layer_in":
             handles.append(layers[site.layer].register_forward_pre_hook(hook, with_kwargs=True))
         elif site.kind in ("norm_in", "arg_in", "columns_in"):
@@ -130,15 +132,17 @@ def install_hooks(layers: nn.ModuleList, final_norm: nn.Module, sites: list[Site
     return handles
 
 
-def _make_hook(site: Site, runtime: HookRuntime) -> Callable[..., Any]:
+def _make_hook(site: Site, runtime: HookRuntime, layout: ArchLayout) -> Callable[..., Any]:
     buffers = runtime.sites[site.index]
     apply = runtime.apply
 
     if site.kind == "layer_in":
         # Only layer 0 has its own resid_pre site; vLLM calls it with residual=None, so the
         # hidden states are the whole residual stream (the embeddings).
+        at = layout.hidden_arg
+
         def layer_in(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            return (args[0], apply(buffers, args[1]), *args[2:]), kwargs
+            return (*args[:at], apply(buffers, args[at]), *args[at + 1 :]), kwargs
 
         return layer_in
 
@@ -148,6 +152,13 @@ def _make_hook(site: Site, runtime: HookRuntime) -> Callable[..., Any]:
             return (*apply(buffers, args[0], args[1]), *args[2:]), kwargs
 
         return norm_in
+
+    if site.kind == "layer_out" and not layout.fused_residual:  # the layer returns the stream itself
+
+        def stream_out(module: nn.Module, args: tuple[Any, ...], output: Any) -> Any:
+            return apply(buffers, output)
+
+        return stream_out
 
     if site.kind == "layer_out":
 
