@@ -128,8 +128,8 @@ def test_hook_table_aliases_resid_pre_onto_previous_resid_post():
 
 
 def test_unsupported_architecture_lists_the_supported_ones():
-    with pytest.raises(SpecError, match="GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
-        layout_for("GPT2LMHeadModel")
+    with pytest.raises(SpecError, match="'FalconForCausalLM'.*GPT2LMHeadModel.*LlamaForCausalLM.*Qwen3ForCausalLM"):
+        layout_for("FalconForCausalLM")
 
 
 def test_gemma_attn_out_is_after_its_post_attention_norm():
