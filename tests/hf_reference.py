@@ -98,16 +98,19 @@ def hf_inner_activations(model, token_ids: list[int]) -> dict[str, torch.Tensor]
     """The per-head and neuron hook points' values for one forward over ``token_ids``, shaped as
     the engine returns them ([pos, head, d_head] and [pos, d_mlp]).
 
-    hook_q / hook_k: q_proj / k_proj; hook_rot_q / hook_rot_k: what ``apply_rotary_pos_emb`` returns;
-    hook_v: v_proj; hook_z: the input of o_proj; mlp.hook_pre: gate_proj; mlp.hook_post: the input
-    of down_proj."""
+    hook_q / hook_k / hook_v: the query, key and value projections (q_proj..., or their parts of
+    GPT-2's c_attn and of GPT-NeoX's per-head interleaved query_key_value); hook_rot_q / hook_rot_k:
+    what ``apply_rotary_pos_emb`` returns (GPT-2 has no rotary embedding: the query and key);
+    hook_z: the input of the output projection; mlp.hook_pre: the gate (or first) projection;
+    mlp.hook_post: the input of the down projection."""
     import sys
 
     acts: dict[str, torch.Tensor] = {}
     handles = []
-    d_head = model.config.head_dim
+    config = model.config
+    d_head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     modeling = sys.modules[type(model).__module__]
-    rotary = modeling.apply_rotary_pos_emb
+    rotary = getattr(modeling, "apply_rotary_pos_emb", None)
     rotated: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def record_rotary(q, k, *args, **kwargs):  # noqa: ANN001, ANN002, ANN003, ANN202
@@ -118,31 +121,63 @@ def hf_inner_activations(model, token_ids: list[int]) -> dict[str, torch.Tensor]
     def by_head(x: torch.Tensor) -> torch.Tensor:
         return x[0].reshape(x.shape[1], -1, d_head)
 
-    def keep(name: str, heads: bool, pre: bool = False) -> Callable:
-        shape = by_head if heads else (lambda x: x[0])
+    def keep(name: str, shape: Callable = by_head, pre: bool = False) -> Callable:
         if pre:
             return lambda mod, args: acts.__setitem__(name, shape(args[0]))
-        return lambda mod, args, out: acts.__setitem__(name, shape(out))
+        return lambda mod, args, out: acts.__setitem__(name, shape(_first(out)))
 
-    for i, layer in enumerate(model.model.layers):
-        attn, mlp = layer.self_attn, layer.mlp
+    def fused(i: int, part: int, per_head: bool) -> Callable:
+        """q, k or v (``part``) of a fused projection: [q | k | v] (GPT-2) or per head (GPT-NeoX)."""
+
+        def split(out: torch.Tensor) -> torch.Tensor:
+            x = out[0]
+            parts = x.reshape(x.shape[0], -1, 3 * d_head).chunk(3, dim=-1) if per_head else x.chunk(3, dim=-1)
+            return parts[part].reshape(x.shape[0], -1, d_head)
+
+        return lambda mod, args, out: acts.__setitem__(f"blocks.{i}.attn.hook_{'qkv'[part]}", split(out))
+
+    plain = lambda x: x[0]  # noqa: E731
+    kind = config.model_type
+    for i, layer in enumerate(hf_stack(model)[0]):
+        if kind in ("gpt2", "gpt_neox"):
+            attn = layer.attn if kind == "gpt2" else layer.attention
+            qkv = attn.c_attn if kind == "gpt2" else attn.query_key_value
+            handles += [qkv.register_forward_hook(fused(i, part, kind == "gpt_neox")) for part in range(3)]
+            out_proj = attn.c_proj if kind == "gpt2" else attn.dense
+            first, down = (
+                (layer.mlp.c_fc, layer.mlp.c_proj)
+                if kind == "gpt2"
+                else (layer.mlp.dense_h_to_4h, layer.mlp.dense_4h_to_h)
+            )
+        else:
+            attn = layer.self_attn
+            handles += [
+                attn.q_proj.register_forward_hook(keep(f"blocks.{i}.attn.hook_q")),
+                attn.k_proj.register_forward_hook(keep(f"blocks.{i}.attn.hook_k")),
+                attn.v_proj.register_forward_hook(keep(f"blocks.{i}.attn.hook_v")),
+            ]
+            out_proj, first, down = attn.o_proj, layer.mlp.gate_proj, layer.mlp.down_proj
         handles += [
-            attn.q_proj.register_forward_hook(keep(f"blocks.{i}.attn.hook_q", True)),
-            attn.k_proj.register_forward_hook(keep(f"blocks.{i}.attn.hook_k", True)),
-            attn.v_proj.register_forward_hook(keep(f"blocks.{i}.attn.hook_v", True)),
-            attn.o_proj.register_forward_pre_hook(keep(f"blocks.{i}.attn.hook_z", True, pre=True)),
-            mlp.gate_proj.register_forward_hook(keep(f"blocks.{i}.mlp.hook_pre", False)),
-            mlp.down_proj.register_forward_pre_hook(keep(f"blocks.{i}.mlp.hook_post", False, pre=True)),
+            out_proj.register_forward_pre_hook(keep(f"blocks.{i}.attn.hook_z", pre=True)),
+            first.register_forward_hook(keep(f"blocks.{i}.mlp.hook_pre", plain)),
+            down.register_forward_pre_hook(keep(f"blocks.{i}.mlp.hook_post", plain, pre=True)),
         ]
-    modeling.apply_rotary_pos_emb = record_rotary
+    if rotary is not None:
+        modeling.apply_rotary_pos_emb = record_rotary
     try:
         with torch.no_grad():
             model(torch.tensor([token_ids]))
     finally:
-        modeling.apply_rotary_pos_emb = rotary
+        if rotary is not None:
+            modeling.apply_rotary_pos_emb = rotary
         for handle in handles:
             handle.remove()
-    for i, (q, k) in enumerate(rotated):  # [batch, head, pos, d_head], one call per layer
-        acts[f"blocks.{i}.attn.hook_rot_q"] = q[0].transpose(0, 1)
-        acts[f"blocks.{i}.attn.hook_rot_k"] = k[0].transpose(0, 1)
+    for i in range(len(hf_stack(model)[0])):
+        if rotary is None:  # no rotary embedding: the attention op sees the projections themselves
+            acts[f"blocks.{i}.attn.hook_rot_q"] = acts[f"blocks.{i}.attn.hook_q"]
+            acts[f"blocks.{i}.attn.hook_rot_k"] = acts[f"blocks.{i}.attn.hook_k"]
+        else:  # [batch, head, pos, d_head], one call per layer
+            q, k = rotated[i]
+            acts[f"blocks.{i}.attn.hook_rot_q"] = q[0].transpose(0, 1)
+            acts[f"blocks.{i}.attn.hook_rot_k"] = k[0].transpose(0, 1)
     return acts

@@ -46,9 +46,14 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
-@pytest.mark.parametrize("architecture", ["Qwen3ForCausalLM", "Gemma2ForCausalLM"])
+@pytest.mark.parametrize(
+    "architecture",
+    ["Qwen3ForCausalLM", "Gemma2ForCausalLM", "Olmo2ForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel"],
+)
 def test_inner_hook_points_equal_transformers(architecture, tmp_path, vllm_ready, smollm2_dir):
-    """Qwen3 (q/k norms before the rotary embedding) and Gemma 2 (GELU gate); Llama in the test below."""
+    """Qwen3 (q/k norms before the rotary embedding), Gemma 2 (GELU gate), OLMo-2 (q/k norms over all
+    heads), GPT-NeoX (per-head interleaved qkv, partial rotary, plain MLP) and GPT-2 (no rotary
+    embedding, plain MLP); Llama in the test below."""
     path = build_tiny(architecture, tmp_path / architecture, smollm2_dir)
     with booted_engine(path, instrument={"hook_points": INNER}, **gpu_settings()) as engine:
         check_fidelity(engine, load_hf(path))
@@ -69,12 +74,14 @@ def check_fidelity(engine, hf) -> None:
     out = engine.generate(PROMPT, max_tokens=4, capture={"hooks": hooks})[0]
     reference = hf_inner_activations(hf, out.prompt_token_ids + out.token_ids[:-1])
     errors = {h: relative_error(out.activations[h], reference[h]) for h in hooks}
-    assert max(errors.values()) < tolerance(), errors
-    d_head, heads, kv_heads = hf.config.head_dim, hf.config.num_attention_heads, hf.config.num_key_value_heads
+    assert max(errors.values()) < tolerance(), {h: e for h, e in errors.items() if e >= tolerance()}
+    heads = hf.config.num_attention_heads
+    d_head = getattr(hf.config, "head_dim", None) or hf.config.hidden_size // heads
+    kv_heads = getattr(hf.config, "num_key_value_heads", None) or heads
     rows = len(out.prompt_token_ids) + len(out.token_ids) - 1
     assert out.activations["blocks.0.attn.hook_z"].shape == (rows, heads, d_head)
     assert out.activations["blocks.0.attn.hook_v"].shape == (rows, kv_heads, d_head)
-    assert out.activations["blocks.0.mlp.hook_post"].shape == (rows, hf.config.intermediate_size)
+    assert out.activations["blocks.0.mlp.hook_post"].shape == (rows, 128)
     pooled = engine.generate(PROMPT, max_tokens=2, capture={"hooks": ["blocks.1.attn.hook_z"], "reduce": "mean"})[0]
     assert pooled.activations["blocks.1.attn.hook_z"].shape == (1, heads, d_head)
 

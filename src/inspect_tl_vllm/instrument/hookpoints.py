@@ -59,7 +59,9 @@ class ArchLayout:
     layers and its final norm.  Inside a layer: the norm whose input is ``resid_mid`` (None where
     the residual is not handed to a norm, so ``resid_mid`` has no hook), the modules whose outputs
     are ``attn_out`` and ``mlp_out``, the fused query-key-value projection, the attention op, the
-    output projection and the MLP's activation (``gated``: it takes ``[gate | up]``).  ``router``
+    output projection, the MLP's first projection (``mlp_up``) and its down projection; a ``gated``
+    MLP's activation (``act``) takes ``[gate | up]``.  (vLLM shares one rotary embedding, and a plain
+    MLP's activation, between layers: they carry no hook.)  ``router``
     names a mixture-of-experts block's router (None for a dense MLP, whose neurons have hook points
     of their own).  ``fused_residual``: layers take and return ``(hidden, residual)`` with the add
     folded into the next norm (vLLM's Llama-like families); otherwise a layer returns the stream.
@@ -78,6 +80,8 @@ class ArchLayout:
     attention: str = "self_attn.attn"
     out_proj: str = "self_attn.o_proj"
     act: str = "mlp.act_fn"
+    mlp_up: str = ""
+    mlp_down: str = "mlp.down_proj"
     gated: bool = True
 
 
@@ -112,7 +116,8 @@ ARCHITECTURES: dict[str, ArchLayout] = {
         qkv="attention.query_key_value",
         attention="attention.attn",
         out_proj="attention.dense",
-        act="mlp.act",
+        mlp_up="mlp.dense_h_to_4h",
+        mlp_down="mlp.dense_4h_to_h",
         gated=False,
         **_UNFUSED,
     ),
@@ -127,7 +132,8 @@ ARCHITECTURES: dict[str, ArchLayout] = {
         qkv="attn.c_attn",
         attention="attn.attn",
         out_proj="attn.c_proj",
-        act="mlp.act",
+        mlp_up="mlp.c_fc",
+        mlp_down="mlp.c_proj",
         gated=False,
         **_UNFUSED,
     ),
@@ -143,8 +149,8 @@ _INNER_SITES: dict[str, tuple[SiteKind, str]] = {
     "attn.rot_k": ("arg_in", "attention"),
     "attn.v": ("arg_in", "attention"),
     "attn.z": ("arg_in", "out_proj"),
-    "mlp.pre": ("columns_in", "act"),  # a gated act([gate | up]): the gate half; else its input
-    "mlp.post": ("module_out", "act"),
+    "mlp.pre": ("columns_in", "act"),  # a gated act([gate | up]): the gate half (plain MLP: mlp_up's output)
+    "mlp.post": ("arg_in", "mlp_down"),
     "mlp.router_logits": ("columns_out", "router"),  # the router's linear layer returns (logits, bias)
 }
 
@@ -334,8 +340,8 @@ def _make_site(index: int, name: str, layout: ArchLayout, shape: ModelShape, arc
             raise SpecError(f"hook point {name!r}: {model}'s MLP is dense; only a mixture of experts has a router")
         site_kind, field = _INNER_SITES[kind]
         module = getattr(layout, field)
-        if kind == "mlp.pre" and not layout.gated:  # the activation's whole input
-            site_kind = "arg_in"
+        if kind == "mlp.pre" and not layout.gated:  # the first projection's whole output
+            site_kind, module = "columns_out", layout.mlp_up
         return Site(index, name, site_kind, layer, module, width, heads=shape.heads(kind), arg=_site_arg(kind, shape))
     module = layout.attn_out_module if kind == "attn_out" else layout.mlp_out_module
     return Site(index, name, "module_out", layer, module, width)
