@@ -86,6 +86,7 @@ class TLVLLMAPI(ModelAPI):
             template = Path(template).expanduser().read_text()
         self.chat_template = template
         self._writable_dirs: set[Folder] = set()
+        self._calls: dict[tuple[str, str, int], int] = {}  # (eval, sample, epoch) -> model calls recorded
 
     @property
     def base_url(self) -> str | None:  # type: ignore[override]
@@ -149,8 +150,9 @@ class TLVLLMAPI(ModelAPI):
                 lifecycle.decode(front, payload, where if i == 0 else f"{where} choice {i}")
                 for i, (_, payload) in enumerate(results)
             ]
+            turn = (self._next_call(active), len(input))
             # in a thread: a store's upload (s3://...) must not hold up the other samples' requests
-            record = await asyncio.to_thread(self._record, checked[0], prepared[0], active, where)
+            record = await asyncio.to_thread(self._record, checked[0], prepared[0], active, where, turn)
             if len(runs) > 1:
                 record["choices"] = [result.receipt for result in checked]
             output.metadata = {TAG: record}
@@ -431,9 +433,26 @@ class TLVLLMAPI(ModelAPI):
     def _token_text(self, token_id: int, logprob: Any) -> str:
         return logprob.decoded_token if logprob.decoded_token is not None else self.tokenizer.decode([token_id])
 
+    def _next_call(self, active: ActiveSample | None) -> int:
+        """The number of this model call among the sample's calls that ran here (0 first): every call
+        of an agent loop or a dialogue keeps its own capture."""
+        if active is None:
+            return 0
+        key = (active.eval_id, active.sample_uuid or repr(active.sample.id), active.epoch)
+        call = self._calls.get(key, 0)
+        self._calls[key] = call + 1
+        return call
+
     def _record(
-        self, result: CaptureResult, prepared: PreparedRequest, active: ActiveSample | None, where: str
+        self,
+        result: CaptureResult,
+        prepared: PreparedRequest,
+        active: ActiveSample | None,
+        where: str,
+        turn: tuple[int, int] = (0, 0),
     ) -> dict[str, Any]:
+        """The call's record for its output metadata, its captures stored as call ``turn[0]`` of the
+        sample (``turn[1]``: how many messages its input held)."""
         record: dict[str, Any] = {"receipt": result.receipt, "applied": prepared.applied()}
         if result.activations:
             summary = {
@@ -460,8 +479,10 @@ class TLVLLMAPI(ModelAPI):
                         extra={
                             "model": self.model_name,
                             "reduce": prepared.spec.capture.reduce if prepared.spec.capture else None,
+                            "input_messages": turn[1],
                         },
                         shards=writer_for(directory, shard_mb) if shard_mb else None,
+                        call=turn[0],
                     )
                 except OSError as err:  # disk full, file size limit: fail this sample, name it
                     raise OSError(err.errno, f"{where}: {err.strerror or err}") from err

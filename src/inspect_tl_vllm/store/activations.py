@@ -40,12 +40,26 @@ class SkippedRecordWarning(UserWarning):
 
 @dataclass
 class SampleActivations:
+    """One model call's captures of one sample and epoch, with the sample's scores.
+
+    ``call`` numbers the sample's model calls that captured, in order (0 first: one record per call
+    of an agent loop or a dialogue); ``input_messages`` is how many messages that call's input
+    held, which finds its model event in the log."""
+
     sample_id: Any
     epoch: int
     sample_uuid: str
     scores: dict[str, Any]
     activations: dict[str, torch.Tensor] = field(default_factory=dict)
     index: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def call(self) -> int:
+        return int(self.index.get("call", 0))
+
+    @property
+    def input_messages(self) -> int | None:
+        return self.index.get("input_messages")
 
     @property
     def positions(self) -> dict[str, list[int]]:
@@ -76,32 +90,45 @@ def iter_load(
     eval_log = _eval_log(log)
     directory = activations_dir_for(eval_log.location, eval_log.eval.eval_id, activations_dir)
     upload_spooled(directory)  # shards a killed run left on this machine
-    entries = {(repr(e["sample_id"]), int(e["epoch"])): e for e in read_index(directory)}
+    calls: dict[tuple[str, int], dict[int, dict[str, Any]]] = {}
+    for e in read_index(directory):
+        calls.setdefault((repr(e["sample_id"]), int(e["epoch"])), {})[int(e.get("call", 0))] = e
     with SampleReader(directory, whole_shards=True) as reader:
         for sample in eval_log.samples or []:
-            entry = entries.get((repr(sample.id), int(sample.epoch)))
-            if entry is None or entry.get("sample_uuid") not in (None, sample.uuid):
-                continue  # no file, or one left by an earlier attempt of this (sample, epoch) that failed
-            try:  # errors name the index line: the folder's index, or the sample's shard index
-                tensors = read_sample(directory, entry, verify=verify, reader=reader)
-            except StoredFileError as err:
-                if strict:
-                    raise
-                warnings.warn(f"skipping a record: {err}", SkippedRecordWarning, stacklevel=3)
-                continue
-            yield SampleActivations(
-                sample_id=sample.id,
-                epoch=sample.epoch,
-                sample_uuid=entry["sample_uuid"],
-                scores=_scores(sample),
-                activations=tensors,
-                index=entry,
-            )
+            for _, entry in sorted(calls.get((repr(sample.id), int(sample.epoch)), {}).items()):
+                record = _record(directory, entry, sample, reader, verify, strict)
+                if record is not None:
+                    yield record
+
+
+def _record(
+    directory: Any, entry: dict[str, Any], sample: Any, reader: SampleReader, verify: bool, strict: bool
+) -> SampleActivations | None:
+    """One index entry's record, joined to its log sample; None when it belongs to an earlier attempt
+    of the sample or its file is unusable (a warning, or with ``strict`` the error)."""
+    if entry.get("sample_uuid") not in (None, sample.uuid):
+        return None  # left by an earlier attempt of this (sample, epoch) that failed
+    try:  # errors name the index line: the folder's index, or the sample's shard index
+        tensors = read_sample(directory, entry, verify=verify, reader=reader)
+    except StoredFileError as err:
+        if strict:
+            raise
+        warnings.warn(f"skipping a record: {err}", SkippedRecordWarning, stacklevel=4)
+        return None
+    return SampleActivations(
+        sample_id=sample.id,
+        epoch=sample.epoch,
+        sample_uuid=entry["sample_uuid"],
+        scores=_scores(sample),
+        activations=tensors,
+        index=entry,
+    )
 
 
 def read(log: str | Path, sample_id: Any, epoch: int = 1, *, verify: bool = True) -> SampleActivations:
     """One sample's activations, found through the log alone: Inspect reads that one sample of the
-    log, and its output names the file, its checksum and each hook's shape, dtype and positions.
+    log, and its output names the file, its checksum and each hook's shape, dtype and positions
+    (the sample's last model call; ``load`` gives every call).
     No index is read, so this costs the same in a log of ten samples or a million.
 
     Raises ``StoredFileError`` naming the sample when it stored no activations, or when its file is
@@ -162,14 +189,17 @@ def _scores(sample: Any) -> dict[str, Any]:
 
 
 def export_npz(records: list[SampleActivations], path: str | Path) -> int:
-    """Write every record's arrays to one ``.npz`` (keys ``<sample id>/<epoch>/<hook>``) plus a
-    ``__scores__`` JSON string; returns the number of arrays."""
+    """Write every record's arrays to one ``.npz`` (keys ``<sample id>/<epoch>/<hook>``, and
+    ``<sample id>/<epoch>/call<n>/<hook>`` for a sample's later model calls) plus a ``__scores__``
+    JSON string; returns the number of arrays."""
     import json
 
     import numpy as np
 
     arrays = {
-        f"{r.sample_id}/{r.epoch}/{hook}": t.float().numpy() for r in records for hook, t in r.activations.items()
+        f"{r.sample_id}/{r.epoch}/{f'call{r.call}/' if r.call else ''}{hook}": t.float().numpy()
+        for r in records
+        for hook, t in r.activations.items()
     }
     scores = [{"sample_id": r.sample_id, "epoch": r.epoch, "scores": r.scores} for r in records]
     np.savez(path, __scores__=np.array(json.dumps(scores, default=str)), **arrays)
@@ -180,10 +210,11 @@ def export_parquet(records: list[SampleActivations], path: str | Path) -> int:
     """Write one row per (sample, epoch, hook, position) to Parquet, so the activations can be queried
     with pandas/polars/DuckDB next to their scores; returns the number of rows.
 
-    Columns: ``sample_id``, ``epoch``, ``hook``, ``position`` (the token's position in the sequence;
-    for files written before positions were stored, the row's index within the capture; null for
-    captures reduced per sample), one ``score_<name>`` column per scorer, and ``vector`` (fixed-size
-    list of float32).  Written in row groups, batch by batch (``arrow_reader`` streams the same rows)."""
+    Columns: ``sample_id``, ``epoch``, ``call`` (the sample's model call, 0 first), ``hook``,
+    ``position`` (the token's position in the sequence; for files written before positions were
+    stored, the row's index within the capture; null for captures reduced per sample), one
+    ``score_<name>`` column per scorer, and ``vector`` (fixed-size list of float32).  Written in row
+    groups, batch by batch (``arrow_reader`` streams the same rows)."""
     require("pyarrow", "the Parquet export")
     pq = require("pyarrow.parquet", "the Parquet export")
 
@@ -212,6 +243,7 @@ def _reader(records: Iterator[SampleActivations], id_type: Any, score_types: dic
         [
             ("sample_id", id_type),
             ("epoch", pa.int32()),
+            ("call", pa.int32()),
             ("hook", pa.string()),
             ("position", pa.int64()),
             *((f"score_{name}", score_types[name]) for name in scorers),
@@ -246,6 +278,7 @@ def _batch(
     columns = [
         _arrow_column([blocks[i][0].sample_id for i in expand], schema.field("sample_id").type),
         pa.array([blocks[i][0].epoch for i in expand], pa.int32()),
+        pa.array([blocks[i][0].call for i in expand], pa.int32()),
         pa.array([blocks[i][1] for i in expand], pa.string()),
         pa.array([p for *_, positions in blocks for p in positions], pa.int64()),
         *(

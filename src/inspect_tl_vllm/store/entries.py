@@ -64,6 +64,9 @@ def entry_problem(entry: Any) -> str | None:
         return f"sample_id must be a string or a whole number within ±2**63, got {_shown(sample_id)}"
     if not _whole(entry.get("epoch"), 1, MAX_EPOCH):
         return f"epoch must be a whole number from 1 to below 2**31, got {_shown(entry.get('epoch'))}"
+    for key in ("call", "input_messages"):  # the sample's model call it holds (0 first), and its input's length
+        if key in entry and not _whole(entry[key], 0, MAX_EPOCH):
+            return f"{key} must be a whole number from 0 to below 2**31, got {_shown(entry[key])}"
     for key in ("eval_id", "sample_uuid", "model", "reduce"):
         if entry.get(key) is not None and not isinstance(entry[key], str):
             return f"{key} must be a string, got {_shown(entry[key])}"

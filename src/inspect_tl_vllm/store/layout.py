@@ -60,7 +60,7 @@ from inspect_tl_vllm.store.shards import (
 
 __all__ = ["INDEX", "StoredFileError", "UnsafePathError"]  # what readers of a folder expect to find here
 
-STORED_KEYS = ("file", "sha256", "offset", "length")
+STORED_KEYS = ("file", "sha256", "offset", "length", "call")
 """What a log's output records of an entry (beside the folder) to find and check its blob."""
 
 
@@ -106,10 +106,11 @@ def as_folder(folder: Folder | Path | str) -> Folder:
     return folder if isinstance(folder, Folder) else folder_at(folder)
 
 
-def sample_file_name(sample_id: Any, epoch: int) -> str:
+def sample_file_name(sample_id: Any, epoch: int, call: int = 0) -> str:
+    """A sample's file: its first model call's keeps the name it had before calls were counted."""
     digest = hashlib.sha256(repr(sample_id).encode()).hexdigest()[:16]
     safe = "".join(c if c.isalnum() or c in "-_" else "_" for c in str(sample_id))[:40]
-    return f"{safe}-{digest}-e{epoch}.safetensors"
+    return f"{safe}-{digest}-e{epoch}{f'-c{call}' if call else ''}.safetensors"
 
 
 def write_sample(
@@ -124,8 +125,12 @@ def write_sample(
     positions: dict[str, list[int]] | None = None,
     extra: dict[str, Any] | None = None,
     shards: ShardWriter | None = None,
+    call: int = 0,
 ) -> dict[str, Any]:
     """Store one sample's activations, whole or not at all, then its index entry; returns the entry.
+
+    ``call`` numbers the sample's model calls that captured (0 first): an agent loop or a dialogue
+    keeps one record per call.
 
     ``tokens`` is how many token rows each hook point's tensor stands for (before any reduction);
     ``positions`` gives, for per-token captures, the sequence position of each stored row.
@@ -140,6 +145,7 @@ def write_sample(
         "sample_id": sample_id,
         "epoch": epoch,
         "sample_uuid": sample_uuid,
+        "call": call,
         "sha256": hashlib.sha256(blob).hexdigest(),
         "hooks": {
             hook: {
@@ -154,7 +160,7 @@ def write_sample(
     }
     if shards is not None:
         return shards.add(entry, blob)
-    entry["file"] = sample_file_name(sample_id, epoch)
+    entry["file"] = sample_file_name(sample_id, epoch, call)
     folder.write(entry["file"], blob)
     folder.add_entry(entry)
     return entry
@@ -239,10 +245,11 @@ def _carried(
 
 
 def read_index(directory: Folder | Path | str) -> list[dict[str, Any]]:
-    """Index entries, per-sample files' then shards', the last one per (sample id, epoch) winning (retries)."""
+    """Index entries, per-sample files' then shards', the last one per (sample id, epoch, model call)
+    winning (retries)."""
     folder = as_folder(directory)
     entries = folder.entries() + shard_entries(folder)
-    latest = {(repr(entry["sample_id"]), int(entry["epoch"])): entry for entry in entries}
+    latest = {(repr(entry["sample_id"]), int(entry["epoch"]), int(entry.get("call", 0))): entry for entry in entries}
     return list(latest.values())
 
 
