@@ -192,4 +192,4 @@ class Engine:
 
 def boot(model: str = "smollm2", *, instrument: Any = None, **engine_kwargs: Any) -> Engine:
     """Boot an offline instrumented engine (CPU-friendly defaults when there is no GPU)."""
-    return Engine(construct_instrumented_llm(model, instrument=instrument, **cpu_defaults(engine_kwargs)))
+    return Engine(construct_instrumented_llm(model, instrument=instrument, **cpu_defaults(engine_kwargs, model)))

@@ -65,12 +65,43 @@ def on_cpu_build() -> bool:
     return current_platform.is_cpu()
 
 
-def cpu_defaults(engine_kwargs: dict[str, Any]) -> dict[str, Any]:
-    """Engine settings that make vLLM's CPU build practical, unless given: a small KV cache
-    (it would take most of RAM) and eager mode (compiling costs a minute and gains little)."""
+CPU_KV_CACHE_CAP = 1 << 30
+"""The most KV cache the CPU build reserves by default (it would otherwise take a share of RAM)."""
+CPU_MAX_NUM_SEQS = 256
+"""vLLM's default ``max_num_seqs`` on its CPU platform."""
+
+
+def cpu_defaults(engine_kwargs: dict[str, Any], model: str | None = None) -> dict[str, Any]:
+    """Engine settings that make vLLM's CPU build practical, unless given: a KV cache sized to the
+    run (``cpu_kv_cache_bytes``) and eager mode (compiling costs a minute and gains little)."""
     if not on_cpu_build():
         return engine_kwargs
-    return {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, **engine_kwargs}
+    defaults: dict[str, Any] = {"enforce_eager": True}
+    if "kv_cache_memory_bytes" not in engine_kwargs:
+        defaults["kv_cache_memory_bytes"] = cpu_kv_cache_bytes(model, engine_kwargs)
+    return {**defaults, **engine_kwargs}
+
+
+def cpu_kv_cache_bytes(model: str | None, engine_kwargs: dict[str, Any]) -> int:
+    """Room for ``max_num_seqs`` sequences of ``max_model_len`` tokens (vLLM's defaults where unset:
+    256, the model's context), at least one whole sequence, at most ``CPU_KV_CACHE_CAP``: a 135M model
+    with max_model_len 256 needs megabytes, not the gigabyte a large context takes."""
+    if model is None:
+        return CPU_KV_CACHE_CAP
+    from inspect_tl_vllm.instrument.hookpoints import ModelShape
+
+    config = model_config(resolve_model(model), model)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    shape = ModelShape.of(text)
+    dtype = str(engine_kwargs.get("dtype") or "auto")
+    if dtype == "auto":
+        dtype = str(getattr(text, "dtype", None) or getattr(text, "torch_dtype", None) or "bfloat16")
+    element = 4 if "float32" in dtype else 2
+    per_token = 2 * shape.num_layers * shape.n_kv_heads * shape.d_head * element  # a key and a value per layer
+    tokens = int(engine_kwargs.get("max_model_len") or getattr(text, "max_position_embeddings", None) or 8192)
+    sequences = int(engine_kwargs.get("max_num_seqs") or CPU_MAX_NUM_SEQS)
+    one_sequence = per_token * (tokens + 256)  # vLLM must fit one whole sequence; a few blocks spare
+    return int(min(max(per_token * tokens * sequences, one_sequence), max(CPU_KV_CACHE_CAP, one_sequence)))
 
 
 def check_engine_args(engine_kwargs: dict[str, Any]) -> None:

@@ -71,7 +71,7 @@ class TLVLLMAPI(ModelAPI):
             config.max_connections = DEFAULT_CONNECTIONS
         self.settings = parse_model_args(model_args)
         self.model_path = resolve_model(model_name)
-        engine_kwargs = cpu_defaults(self.settings.engine)
+        engine_kwargs = cpu_defaults(self.settings.engine, self.model_path)
         self.engine_thread = shared_engine(
             self.settings.engine_key(self.model_path),
             lambda: EngineThread(self.model_path, self.settings.instrument, engine_kwargs),
