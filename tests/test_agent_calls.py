@@ -71,3 +71,27 @@ def test_each_turn_of_a_dialogue_keeps_its_capture(vllm_ready, tiny_llama_dir, t
     )
     table = activations.arrow_reader(log.location).read_all().to_pydict()
     assert sorted(set(zip(table["sample_id"], table["call"], strict=True))) == [(s, c) for s in "ab" for c in range(3)]
+
+
+def test_an_answer_that_ends_before_the_captured_positions_comes_back_empty(tiny_engine):
+    """A capture of generated tokens when the answer is one token (it stopped at once): the rows
+    it asks for never existed (the last token is never an input), so the capture is empty and says
+    why; the answer is not failed."""
+    first = tiny_engine.generate("Once upon a time", max_tokens=1)[0]
+    stop = {"stop_token_ids": [first.token_ids[0]]}  # stop on the greedy first token: a one-token answer
+    for reduce, shape in (("none", (0, 64)), ("mean", None)):
+        capture = {"hooks": [HOOK], "positions": "generated", "reduce": reduce}
+        out = tiny_engine.generate("Once upon a time", max_tokens=8, capture=capture, **stop)[0]
+        assert len(out.token_ids) == 1
+        assert out.receipt["capture_unreached"] is True and out.receipt["captures"] == {HOOK: 0}
+        assert (tuple(out.activations[HOOK].shape) if HOOK in out.activations else None) == shape
+    two = tiny_engine.generate("Once upon a time", max_tokens=2, capture={"hooks": [HOOK], "positions": "generated"})
+    assert two[0].receipt["capture_unreached"] is False and two[0].receipt["captures"] == {HOOK: 1}
+
+
+def test_scopes_know_whether_an_answer_reached_them():
+    from inspect_tl_vllm.instrument.plans import Scope
+
+    assert not Scope.resolve("generated", 5).reaches(4) and Scope.resolve("generated", 5).reaches(5)
+    assert Scope.resolve([7, 9], 5).reaches(7) and not Scope.resolve([7, 9], 5).reaches(6)
+    assert Scope.resolve([-1], 5).reaches(4) and Scope.resolve("prompt", 5).reaches(0)

@@ -25,6 +25,22 @@ def test_random_control_keeps_norm_and_is_reproducible(tmp_path, monkeypatch):
     assert abs(float(va @ vc) / float(va.norm() * vc.norm())) < 0.99
 
 
+def test_two_vectors_get_their_own_control_directions_for_one_seed(tmp_path, monkeypatch):
+    """Seeded by the source too: with the seed alone, every vector of a width got the same direction."""
+    from safetensors.torch import load_file, save_file
+
+    from inspect_tl_vllm.research.controls import DRAW, random_like
+
+    monkeypatch.setenv("TLVLLM_CACHE", str(tmp_path / "cache"))
+    paths = []
+    for name, values in (("a", torch.arange(64.0)), ("b", torch.arange(64.0).flip(0))):
+        save_file({"v": values}, str(tmp_path / f"{name}.safetensors"))
+        paths.append(random_like(str(tmp_path / f"{name}.safetensors"), 7))
+    a, b = (load_file(path)["vector"] for path in paths)
+    assert abs(float(a @ b) / float(a.norm() * b.norm())) < 0.6  # independent draws in 64 dimensions
+    assert all(f"-{DRAW}-seed7." in path for path in paths)  # a cache of another drawing rule is never reused
+
+
 def test_degenerate_outputs_are_flagged():
     assert is_degenerate("icate" * 30)
     assert is_degenerate("the sea the sea the sea the sea the sea the sea the sea the sea")

@@ -110,6 +110,7 @@ class Receipt(Message):
     interventions: list[InterventionReceipt]
     captures: dict[str, int]  # hook point -> rows captured
     error: str | None
+    capture_unreached: bool = False  # the answer ended before the capture's positions: empty, not an error
 
 
 class FetchedResult(Message):

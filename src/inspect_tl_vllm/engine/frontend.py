@@ -139,7 +139,7 @@ class CaptureResult:
                     f"{item['mean_norm_change']}); lower its coef or the vector's scale"
                 )
         for hook, rows in self.receipt.get("captures", {}).items():
-            if rows == 0:
+            if rows == 0 and not self.receipt.get("capture_unreached"):
                 raise SteeringNotApplied(
                     f"{where}: capture at {hook} selected no token row (check capture.positions against the "
                     "prompt and the generated length)"
@@ -544,6 +544,7 @@ def _merge_parts(parts: list[FetchedResult | None]) -> FetchedResult | None:
         receipt.interventions.extend(part.receipt.interventions)
         receipt.captures.update(part.receipt.captures)
         receipt.error = receipt.error or part.receipt.error
+        receipt.capture_unreached = receipt.capture_unreached or part.receipt.capture_unreached
     receipt.interventions.sort(key=lambda item: item.index)
     return FetchedResult(
         uid=present[0].uid, receipt=receipt, positions=positions, tensors=save(tensors) if tensors else b"", files=files

@@ -44,6 +44,9 @@ class ResultPacker:
             return FetchedResult(uid=state.uid, receipt=state.receipt(), positions={}, tensors=b"", files=[])
 
     def _pack(self, state: RequestState, max_pos: int, folder: Path | None) -> FetchedResult:
+        # an answer that ended before the capture's positions (a one-token answer to a capture of
+        # generated tokens) comes back empty, as such, not as a capture that failed
+        state.unreached = state.capture_scope is not None and not state.capture_scope.reaches(max_pos)
         if state.written is not None:
             try:
                 written = state.written.result()
@@ -107,6 +110,10 @@ class ResultPacker:
         keep = 0 <= pending_pos <= max_pos
         rows = count - (1 if pending_pos >= 0 and not keep else 0)
         state.captured = state.capture[0].rows_kept = rows
+        if rows == 0:  # no row to reduce: no features (not the top k of zeros)
+            kept = len(wire.features) if wire.features is not None else wire.top_k
+            empty = torch.zeros(0, kept)
+            return {indices_key: empty.to(torch.int32), values_key: empty.to(dtype)}, []
         if wire.reduce == "mean":
             row = ((reduced + pending) if keep else reduced) / max(rows, 1)
         elif wire.reduce == "max":

@@ -76,6 +76,14 @@ class Scope:
             return max(self.listed)
         return None
 
+    def reaches(self, max_pos: int) -> bool:
+        """Whether the scope covers a position of 0..``max_pos`` (the request's input rows)."""
+        if self.kind in ("all", "prompt"):
+            return max_pos >= 0
+        if self.kind == "generated":
+            return max_pos >= self.prompt_len
+        return any(p <= max_pos for p in self.listed)
+
     def mask(self, positions: np.ndarray) -> np.ndarray:
         if self.kind == "all":
             return np.ones(positions.shape, dtype=bool)
@@ -158,6 +166,7 @@ class RequestState:
     feature_rows: tuple[np.ndarray, np.ndarray] | None = None  # per token: positions, [values | indices] rows
     feature_pooled: tuple[np.ndarray, np.ndarray, int, int] | None = None  # reduced, pending, its position, rows
     written: Future[dict[str, Any]] | None = None  # per-token rows being written out early (worker.py)
+    unreached: bool = False  # the answer ended before the capture's positions (packing.py)
 
     def capture_closes_with(self, positions: np.ndarray) -> bool:
         """Whether per-token rows ending at ``positions`` complete this request's capture
@@ -188,6 +197,7 @@ class RequestState:
             ],
             captures={c.hook: self.captured_rows(c) for c in self.capture},
             error=self.error,
+            capture_unreached=self.unreached,
         )
 
     def captured_rows(self, item: CaptureItem) -> int:
