@@ -71,7 +71,7 @@ def states(workload: str, count: int, site: int, encoder: Any = None) -> list[Re
         state = RequestState(uid=f"r{i}", prompt_len=PROMPT_LEN, steer=[], capture=[])
         state.req_id = f"{state.uid}-{next(REQUEST_IDS)}"  # as vLLM's, unique per request
         if kind == "steer":
-            row = np.array([i + 1, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=np.float32)  # add bank row i + 1
+            row = np.array([i + 1, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0], dtype=np.float32)  # add bank row i + 1
             state.steer = [SteerItem(0, "add", site, 0, row, Scope.resolve("all", PROMPT_LEN))]
         elif kind == "capture_mean":
             state.capture = [CaptureItem(hook="h", site=site)]
