@@ -110,7 +110,7 @@ class Receipt(Message):
     interventions: list[InterventionReceipt]
     captures: dict[str, int]  # hook point -> rows captured
     error: str | None
-    capture_unreached: bool = False  # the answer ended before the capture's positions: empty, not an error
+    capture_unreached: bool = False  # a one-token answer to a capture of generated tokens: empty, not an error
 
 
 class FetchedResult(Message):

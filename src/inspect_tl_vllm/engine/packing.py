@@ -44,9 +44,11 @@ class ResultPacker:
             return FetchedResult(uid=state.uid, receipt=state.receipt(), positions={}, tensors=b"", files=[])
 
     def _pack(self, state: RequestState, max_pos: int, folder: Path | None) -> FetchedResult:
-        # an answer that ended before the capture's positions (a one-token answer to a capture of
-        # generated tokens) comes back empty, as such, not as a capture that failed
-        state.unreached = state.capture_scope is not None and not state.capture_scope.reaches(max_pos)
+        # a capture of generated tokens when the answer is one token (the last token is never an
+        # input) comes back empty, as such, not as a capture that failed; listed positions past the
+        # answer's end still fail it (those rows were asked for by name)
+        scope = state.capture_scope
+        state.unreached = scope is not None and scope.kind == "generated" and not scope.reaches(max_pos)
         if state.written is not None:
             try:
                 written = state.written.result()

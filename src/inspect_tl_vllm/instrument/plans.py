@@ -166,7 +166,7 @@ class RequestState:
     feature_rows: tuple[np.ndarray, np.ndarray] | None = None  # per token: positions, [values | indices] rows
     feature_pooled: tuple[np.ndarray, np.ndarray, int, int] | None = None  # reduced, pending, its position, rows
     written: Future[dict[str, Any]] | None = None  # per-token rows being written out early (worker.py)
-    unreached: bool = False  # the answer ended before the capture's positions (packing.py)
+    unreached: bool = False  # a one-token answer to a capture of generated tokens (packing.py)
 
     def capture_closes_with(self, positions: np.ndarray) -> bool:
         """Whether per-token rows ending at ``positions`` complete this request's capture
