@@ -319,12 +319,18 @@ def test_an_eval_stores_per_head_and_pattern_captures_beside_its_log(vllm_ready,
         assert log.status == "success", log.error
         return log
 
-    log = run("blocks.1.attn.hook_z,blocks.1.attn.hook_pattern", "both")
+    from inspect_tl_vllm.provider.engine_pool import shutdown_engines
+
+    try:
+        log = run("blocks.1.attn.hook_z,blocks.1.attn.hook_pattern", "both")
+        heads = run("blocks.1.attn.hook_z", "heads")
+    finally:
+        shutdown_engines()  # this engine's settings are this test's own: the next evals boot theirs
     (record,) = activations.load(log.location)
     z, pattern = record.activations["blocks.1.attn.hook_z"], record.activations["blocks.1.attn.hook_pattern"]
     rows = z.shape[0]
     assert z.shape == (rows, 2, 32) and pattern.shape == (rows, 2, rows)
     assert record.positions["blocks.1.attn.hook_pattern"] == list(range(rows))
-    table = activations.arrow_reader(run("blocks.1.attn.hook_z", "heads").location).read_all().to_pydict()
+    table = activations.arrow_reader(heads.location).read_all().to_pydict()
     assert table["position"] == list(range(rows))  # one row per position: heads x d_head numbers
     assert {len(vector) for vector in table["vector"]} == {64}

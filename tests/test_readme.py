@@ -56,7 +56,7 @@ def test_head_ablation_snippet(smollm2_dir, vllm_ready, tmp_path):
 
 
 def test_python_api_snippet(smollm2_dir, vllm_ready, tmp_path):
-    out = run_snippet(snippet("inspect_tl_vllm.boot("), ROOT, tmp_path / "script")
+    out = run_snippet(snippet("smollm2_ocean_l12.safetensors"), ROOT, tmp_path / "script")
     shape = re.search(r"^torch\.Size\(\[(\d+), 576\]\) \[\{'index': 0, .*'rows': (\d+)", out, flags=re.MULTILINE)
     assert shape and int(shape.group(1)) > 0 and int(shape.group(2)) > 0, out[-2000:]
     assert out[: shape.start()].strip(), "the snippet printed no answer"
