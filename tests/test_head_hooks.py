@@ -14,7 +14,6 @@ import torch
 
 from conftest import TINY, assert_batch_matches_solo, booted_engine, build_tiny_model
 from hf_reference import hf_activations, hf_inner_activations, load_hf
-from test_architectures import build_tiny
 
 pytestmark = pytest.mark.engine
 
@@ -46,19 +45,6 @@ def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-12))
 
 
-@pytest.mark.parametrize(
-    "architecture",
-    ["Qwen3ForCausalLM", "Gemma2ForCausalLM", "Olmo2ForCausalLM", "GPTNeoXForCausalLM", "GPT2LMHeadModel"],
-)
-def test_inner_hook_points_equal_transformers(architecture, tmp_path, vllm_ready, smollm2_dir):
-    """Qwen3 (q/k norms before the rotary embedding), Gemma 2 (GELU gate), OLMo-2 (q/k norms over all
-    heads), GPT-NeoX (per-head interleaved qkv, partial rotary, plain MLP) and GPT-2 (no rotary
-    embedding, plain MLP); Llama in the test below."""
-    path = build_tiny(architecture, tmp_path / architecture, smollm2_dir)
-    with booted_engine(path, instrument={"hook_points": INNER}, **gpu_settings()) as engine:
-        check_fidelity(engine, load_hf(path))
-
-
 @pytest.fixture(scope="module")
 def head_engine(vllm_ready, tiny_llama_dir: Path):
     settings = {"hook_points": [*INNER, "all"], "max_stack": 2}
@@ -87,6 +73,7 @@ def check_fidelity(engine, hf) -> None:
 
 
 def test_llama_inner_hook_points_equal_transformers(head_engine, tiny_llama_dir):
+    """Llama here, with the shapes and a pooled capture (every other family: test_architectures.py)."""
     check_fidelity(head_engine, load_hf(tiny_llama_dir))
 
 
@@ -251,43 +238,47 @@ def hf_attention(path: Path, token_ids: list[int]) -> tuple[torch.Tensor, ...]:
     return tuple(layer[0] for layer in out.attentions)
 
 
-@pytest.mark.parametrize("architecture", ["LlamaForCausalLM", "Gemma2ForCausalLM"])
-def test_attention_patterns_equal_transformers_eager_attention(architecture, tmp_path, tiny_llama_dir, smollm2_dir):
-    """Llama (grouped-query heads) and Gemma 2 with a sliding window of 4 on alternate layers, a
-    logit soft-cap and its own query scale: every layer's pattern, prompt and generated rows."""
-    path = tiny_llama_dir if architecture == "LlamaForCausalLM" else gemma2_windowed(tmp_path / "gemma2", smollm2_dir)
-    patterns = [f"blocks.{i}.attn.hook_pattern" for i in range(TINY["num_hidden_layers"])]
-    settings = {"hook_points": patterns, "capture_bytes_per_request": 500_000}
+PATTERN_PROMPT = PROMPT + " a little house in the woods"
+PATTERNS = [f"blocks.{i}.attn.hook_pattern" for i in range(TINY["num_hidden_layers"])]
+
+
+def check_patterns(engine, path: Path) -> None:
+    """Every layer's pattern, prompt and generated rows, against transformers' eager attention."""
+    out = engine.generate(PATTERN_PROMPT, max_tokens=4, capture={"hooks": PATTERNS})[0]
+    ids = out.prompt_token_ids + out.token_ids[:-1]
+    assert len(out.prompt_token_ids) > 8, "the prompt must reach past the sliding window"
+    for layer, want in enumerate(hf_attention(path, ids)):
+        got = out.activations[PATTERNS[layer]]
+        assert got.shape == (len(ids), want.shape[0], len(ids))
+        assert out.positions[PATTERNS[layer]] == list(range(len(ids)))
+        error = float((got.permute(1, 0, 2) - want).abs().max())
+        assert error < 1e-4, (layer, error)
+    assert out.receipt["captures"] == dict.fromkeys(PATTERNS, len(ids))
+    assert set(out.activations) == set(PATTERNS)  # the query and key they came from are not kept
+
+
+def test_windowed_soft_capped_patterns_equal_transformers_eager_attention(tmp_path, vllm_ready, smollm2_dir):
+    """Gemma 2 with a sliding window of 4 on alternate layers, a logit soft-cap and its own query
+    scale (Llama's grouped-query heads: the next test); and a pattern's limits."""
+    path = gemma2_windowed(tmp_path / "gemma2", smollm2_dir)
+    settings = {"hook_points": PATTERNS, "capture_bytes_per_request": 500_000}
     with booted_engine(path, instrument=settings, **gpu_settings()) as engine:
-        prompt = PROMPT + " a little house in the woods"
-        out = engine.generate(prompt, max_tokens=4, capture={"hooks": patterns})[0]
-        ids = out.prompt_token_ids + out.token_ids[:-1]
-        assert len(out.prompt_token_ids) > 8, "the prompt must reach past the sliding window"
-        for layer, want in enumerate(hf_attention(path, ids)):
-            got = out.activations[patterns[layer]]
-            assert got.shape == (len(ids), want.shape[0], len(ids))
-            assert out.positions[patterns[layer]] == list(range(len(ids)))
-            error = float((got.permute(1, 0, 2) - want).abs().max())
-            assert error < 1e-4, (layer, error)
-        assert out.receipt["captures"] == dict.fromkeys(patterns, len(ids))
+        check_patterns(engine, path)
         with pytest.raises(Exception, match="positions 'all' or 'prompt'"):
-            engine.generate(prompt, max_tokens=2, capture={"hooks": patterns[:1], "positions": "generated"})
+            engine.generate(PATTERN_PROMPT, max_tokens=2, capture={"hooks": PATTERNS[:1], "positions": "generated"})
         with pytest.raises(Exception, match="captured only"):
-            engine.generate(prompt, max_tokens=2, steering=[{"hook": patterns[0], "op": "scale", "coef": 0.5}])
+            engine.generate(PATTERN_PROMPT, max_tokens=2, steering=[{"hook": PATTERNS[0], "op": "scale", "coef": 0.5}])
         with pytest.raises(Exception, match="capture_bytes_per_request"):
-            engine.generate(prompt, max_tokens=200, capture={"hooks": patterns})
+            engine.generate(PATTERN_PROMPT, max_tokens=200, capture={"hooks": PATTERNS})
 
 
-def test_a_pattern_comes_back_alone_and_needs_its_query_and_key_hooked(head_engine, tiny_llama_dir):
+def test_llama_patterns_equal_transformers_and_need_their_query_and_key_hooked(head_engine, tiny_llama_dir):
     from transformers import AutoConfig
 
     from inspect_tl_vllm.engine.frontend import Instrumentation
     from inspect_tl_vllm.specs import InstrumentConfig, SpecError, parse_request_spec
 
-    out = head_engine.generate(PROMPT, max_tokens=2, capture={"hooks": ["blocks.2.attn.hook_pattern"]})[0]
-    rows = out.activations["blocks.2.attn.hook_pattern"]
-    torch.testing.assert_close(rows.sum(-1), torch.ones(rows.shape[:2]))  # each query's weights sum to 1
-    assert set(out.activations) == {"blocks.2.attn.hook_pattern"}  # the query and key it came from are not kept
+    check_patterns(head_engine, tiny_llama_dir)
     residual = Instrumentation(AutoConfig.from_pretrained(str(tiny_llama_dir)), InstrumentConfig(hook_points=["all"]))
     spec = parse_request_spec({"capture": {"hooks": ["blocks.1.attn.hook_pattern"]}})
     with pytest.raises(SpecError, match="blocks.1.attn.hook_rot_q and blocks.1.attn.hook_rot_k.*hook_points listing"):
@@ -319,13 +310,14 @@ def test_an_eval_stores_per_head_and_pattern_captures_beside_its_log(vllm_ready,
         assert log.status == "success", log.error
         return log
 
-    from inspect_tl_vllm.provider.engine_pool import shutdown_engines
+    from inspect_tl_vllm.provider.engine_pool import engines, shutdown_engines
 
+    before = set(engines())
     try:
         log = run("blocks.1.attn.hook_z,blocks.1.attn.hook_pattern", "both")
         heads = run("blocks.1.attn.hook_z", "heads")
-    finally:
-        shutdown_engines()  # this engine's settings are this test's own: the next evals boot theirs
+    finally:  # this test's own engine (its settings are no other test's); the others stay shared
+        shutdown_engines([key for key in engines() if key not in before])
     (record,) = activations.load(log.location)
     z, pattern = record.activations["blocks.1.attn.hook_z"], record.activations["blocks.1.attn.hook_pattern"]
     rows = z.shape[0]
