@@ -117,6 +117,33 @@ def boot_engine(model: Path | str, *, compiled: bool = False, **kwargs: object):
         return boot(str(model), **settings)
 
 
+def on_gpu() -> bool:
+    from inspect_tl_vllm.engine.construct import on_cpu_build
+
+    return not on_cpu_build()
+
+
+def gpu_settings() -> dict:
+    """``booted_engine`` settings that let a CPU engine test run on a GPU as well: compiled with CUDA
+    graphs, a small memory share (engines follow each other), and engine processes spawned (a second
+    engine forked from a process that ran one cannot start CUDA).  None on CPU."""
+    if not on_gpu():
+        return {}
+    return {"compiled": True, "gpu_memory_utilization": 0.3, "env": {"VLLM_WORKER_MULTIPROC_METHOD": "spawn"}}
+
+
+def gpu_provider_args() -> dict:
+    """Provider model args that let a CPU eval test run on a GPU beside the test's other engines."""
+    return {"gpu_memory_utilization": 0.3} if on_gpu() else {}
+
+
+def tolerance() -> float:
+    """Relative error allowed against transformers in float32: 1e-4 on CPU, the compiled GPU engine's own."""
+    from inspect_tl_vllm.verify import GPU_FLOAT32_TOLERANCE
+
+    return GPU_FLOAT32_TOLERANCE if on_gpu() else 1e-4
+
+
 @contextlib.contextmanager
 def booted_engine(model: Path | str, *, env: dict[str, str] | None = None, **kwargs: object) -> Iterator[Any]:
     """An engine of one test's own (``boot_engine``'s settings and ``kwargs``), booted with the

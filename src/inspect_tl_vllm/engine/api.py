@@ -183,13 +183,16 @@ class Engine:
         inputs = [vllm_prompt(tokens, request) for tokens, request in zip(token_lists, requests, strict=True)]
         # one fresh object per request: vLLM need not deep-copy it (and its wire spec)
         params = [SamplingParams(**sampling, **sampling_fields(request), skip_clone=True) for request in requests]
-        return self.llm.enqueue(inputs, params, use_tqdm=False)
+        return self.llm.enqueue(inputs, params, lora_request=self.core.lora_request, use_tqdm=False)
 
     def status(self) -> dict[str, Any]:
         with self._lock:
             return merge_status(self.llm.collective_rpc("tlvllm_status"))
 
 
-def boot(model: str = "smollm2", *, instrument: Any = None, **engine_kwargs: Any) -> Engine:
-    """Boot an offline instrumented engine (CPU-friendly defaults when there is no GPU)."""
-    return Engine(construct_instrumented_llm(model, instrument=instrument, **cpu_defaults(engine_kwargs, model)))
+def boot(model: str = "smollm2", *, instrument: Any = None, lora: str | None = None, **engine_kwargs: Any) -> Engine:
+    """Boot an offline instrumented engine (CPU-friendly defaults when there is no GPU); ``lora``: a
+    PEFT LoRA adapter's folder that every request runs with."""
+    return Engine(
+        construct_instrumented_llm(model, instrument=instrument, lora=lora, **cpu_defaults(engine_kwargs, model))
+    )

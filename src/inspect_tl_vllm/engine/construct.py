@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from inspect_tl_vllm.aliases import model_config, resolve_model
+from inspect_tl_vllm.engine.adapters import Adapter, check_lora_args, check_lora_dtype, read_adapter
 from inspect_tl_vllm.engine.config import additional_config
 from inspect_tl_vllm.engine.frontend import Instrumentation, adopt_worker_status, merge_status
 from inspect_tl_vllm.specs import TAG, InstrumentConfig, SpecError
@@ -45,6 +46,8 @@ class InstrumentedLLM:
     instrumentation: Instrumentation
     model_path: str
     is_async: bool
+    adapter: Adapter | None = None
+    lora_request: Any = None  # the adapter's vllm LoRARequest, given with every request
 
 
 @functools.cache
@@ -140,6 +143,7 @@ def construct_instrumented_llm(
     *,
     instrument: InstrumentConfig | dict[str, Any] | None = None,
     async_engine: bool = False,
+    lora: str | None = None,
     **engine_kwargs: Any,
 ) -> InstrumentedLLM:
     """Build an instrumented vLLM engine.
@@ -148,7 +152,9 @@ def construct_instrumented_llm(
     ``instrument`` fixes which hook points exist and the buffer sizes; the remaining keyword
     arguments go to vLLM's ``EngineArgs`` (the ones listed in ``REFUSED`` are refused).
     With ``async_engine=True`` the engine is an ``AsyncLLM`` (bound to the running loop's
-    thread), otherwise an offline ``vllm.LLM``.
+    thread), otherwise an offline ``vllm.LLM``.  ``lora`` names a PEFT LoRA adapter's folder that
+    every request runs with (``engine/adapters.py``); the offline engine loads it here, the async
+    one when its owner awaits ``load_adapter``.
     """
     from inspect_tl_vllm.engine.plugin import unsupported_vllm, untested_vllm
 
@@ -160,11 +166,17 @@ def construct_instrumented_llm(
         _warn_once(note)
     settings = instrument if isinstance(instrument, InstrumentConfig) else InstrumentConfig(**(instrument or {}))
     check_engine_args(engine_kwargs)
+    adapter = read_adapter(lora) if lora is not None else None
+    check_lora_args(adapter, engine_kwargs)
+    check_lora_dtype(adapter, engine_kwargs, on_gpu=not on_cpu_build())
     model_path = resolve_model(model)
     instrumentation = Instrumentation(model_config(model_path, model), settings)
     check_sharded_sites(instrumentation, engine_kwargs)
     extra = {**(engine_kwargs.pop("additional_config", None) or {}), **additional_config(settings)}
     kwargs = {"model": model_path, "additional_config": extra, "worker_extension_cls": EXTENSION, **engine_kwargs}
+    if adapter is not None:
+        kwargs.update(adapter.engine_args())
+    request = adapter.request() if adapter is not None else None
     if async_engine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -175,4 +187,17 @@ def construct_instrumented_llm(
 
         engine = LLM(**kwargs)
         adopt_worker_status(instrumentation, merge_status(engine.collective_rpc("tlvllm_status")))
-    return InstrumentedLLM(engine, instrumentation, model_path, async_engine)
+        if request is not None:
+            _check_loaded(engine.llm_engine.add_lora(request), adapter)
+    return InstrumentedLLM(engine, instrumentation, model_path, async_engine, adapter, request)
+
+
+async def load_adapter(instrumented: InstrumentedLLM) -> None:
+    """Load an async engine's adapter into its workers (the offline engine's is loaded at construction)."""
+    if instrumented.lora_request is not None:
+        _check_loaded(await instrumented.llm.add_lora(instrumented.lora_request), instrumented.adapter)
+
+
+def _check_loaded(loaded: bool, adapter: Adapter | None) -> None:
+    if not loaded:
+        raise SpecError(f"lora: vLLM did not load the adapter {adapter.path if adapter else ''}")

@@ -74,7 +74,12 @@ class TLVLLMAPI(ModelAPI):
         engine_kwargs = cpu_defaults(self.settings.engine, self.model_path)
         self.engine_thread = shared_engine(
             self.settings.engine_key(self.model_path),
-            lambda: EngineThread(self.model_path, self.settings.instrument, engine_kwargs),
+            lambda: EngineThread(
+                self.model_path,
+                self.settings.instrument,
+                engine_kwargs,
+                self.settings.adapter.path if self.settings.adapter is not None else None,
+            ),
         )
         if self.settings.boot == "eager" and not self.engine_thread.booted:
             self.engine_thread.boot_now()
@@ -334,7 +339,10 @@ class TLVLLMAPI(ModelAPI):
         final = None
         try:
             async for out in llm.generate(
-                vllm_prompt(prompt_ids, prepared, rendered=True), params, request_id=uuid.uuid4().hex
+                vllm_prompt(prompt_ids, prepared, rendered=True),
+                params,
+                request_id=uuid.uuid4().hex,
+                lora_request=instrumented.lora_request,
             ):
                 final = out
         except BaseException:  # cancelled (a sample limit, a failed eval) or failed: vLLM aborted it

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from inspect_tl_vllm.engine.construct import InstrumentedLLM, construct_instrumented_llm
+from inspect_tl_vllm.engine.construct import InstrumentedLLM, construct_instrumented_llm, load_adapter
 from inspect_tl_vllm.engine.exits import oom_kills
 from inspect_tl_vllm.engine.frontend import adopt_worker_status, merge_status
 from inspect_tl_vllm.specs import InstrumentConfig
@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 class EngineThread:
     """An instrumented AsyncLLM on its own event loop thread."""
 
-    def __init__(self, model: str, instrument: InstrumentConfig, engine_kwargs: dict[str, Any]) -> None:
+    def __init__(
+        self, model: str, instrument: InstrumentConfig, engine_kwargs: dict[str, Any], lora: str | None = None
+    ) -> None:
         # Inspect may construct model instances it never calls: start nothing until used.
         self.loop: asyncio.AbstractEventLoop | None = None
         self._start_lock = threading.Lock()
@@ -39,6 +41,7 @@ class EngineThread:
         self._model = model
         self._instrument = instrument
         self._kwargs = engine_kwargs
+        self._lora = lora
         self._instrumented: InstrumentedLLM | None = None
         self._boot_lock = asyncio.Lock()  # concurrent first requests must boot one engine, not one each
         self._tasks: set[asyncio.Task] = set()  # background work on the engine loop, kept referenced
@@ -75,14 +78,15 @@ class EngineThread:
             self.oom_kills_at_boot = oom_kills()
             started = time.perf_counter()
             instrumented = construct_instrumented_llm(
-                self._model, instrument=self._instrument, async_engine=True, **self._kwargs
+                self._model, instrument=self._instrument, async_engine=True, lora=self._lora, **self._kwargs
             )
             try:
                 adopt_worker_status(
                     instrumented.instrumentation,
                     merge_status(await instrumented.llm.collective_rpc("tlvllm_status")),
                 )
-            except RuntimeError:
+                await load_adapter(instrumented)
+            except Exception:
                 instrumented.llm.shutdown()
                 raise
             self._instrumented = instrumented

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inspect_tl_vllm.engine.adapters import Adapter, check_lora_args, read_adapter
 from inspect_tl_vllm.engine.construct import check_engine_args
 from inspect_tl_vllm.spec_files import load_spec_file, parse_json
 from inspect_tl_vllm.specs import InstrumentConfig, RequestSpec, SpecError, parse_request_spec
@@ -46,6 +47,7 @@ PROVIDER_ARGS = (
     "chat_template",
     "engine_args",
     "boot",
+    "lora",
 )
 
 
@@ -58,9 +60,11 @@ class ProviderSettings:
     activations_shard_mb: int | None = None  # None: one file per sample; else shards of about this many MiB
     chat_template: str | None = None
     boot: str = "lazy"  # lazy: at the first request; eager: when the model is constructed
+    adapter: Adapter | None = None  # -M lora: a LoRA adapter every request runs with
 
     def engine_key(self, model: str) -> str:
-        return json.dumps([model, self.engine, self.instrument.model_dump()], sort_keys=True, default=str)
+        adapter = self.adapter.record() if self.adapter is not None else None
+        return json.dumps([model, self.engine, self.instrument.model_dump(), adapter], sort_keys=True, default=str)
 
     def fingerprint(self, model: str) -> str:
         """Hash of the model, engine settings and run-wide spec, with the contents of the files
@@ -122,6 +126,8 @@ def parse_model_args(args: dict[str, Any]) -> ProviderSettings:
             raise SpecError("-M engine_args: must be a JSON object of vLLM engine arguments")
         engine.update(extra)
     check_engine_args(engine)  # here, not only at the boot: a lazy boot fails at the first sample
+    adapter = read_adapter(str(args["lora"]), "-M lora") if args.get("lora") is not None else None
+    check_lora_args(adapter, engine)
     instrument_raw = {k: args[k] for k in INSTRUMENT_ARGS if k in args}
     if "hook_points" in instrument_raw:
         instrument_raw["hook_points"] = _as_list(instrument_raw["hook_points"])
@@ -160,6 +166,7 @@ def parse_model_args(args: dict[str, Any]) -> ProviderSettings:
         _shard_mb(args.get("activations_shard_mb")),
         args.get("chat_template"),
         boot,
+        adapter,
     )
 
 
