@@ -28,6 +28,14 @@
 #                                          # engines, then on V1's, each runner against its own vanilla (~8 min)
 #   bash bench/gpu_run.sh runners-8b OUTDIR  # the same in the Llama-3-8B shape, 3 rounds (~9 min)
 #
+# Quantized weights and LoRA adapters, and the GPU runs of the CPU suite's per-head and adapter tests:
+#   bash bench/gpu_run.sh quantized OUTDIR  # install; quantized_check.py: steering, head ablation and capture
+#                                          # on SmolLM2 with fp8, a GPTQ checkpoint and a LoRA adapter (~8 min)
+#   bash bench/gpu_run.sh quant-tests OUTDIR  # tests/test_lora.py and tests/test_head_hooks.py, compiled (~8 min)
+#   bash bench/gpu_run.sh fp8-1b OUTDIR    # throughput, Llama-3.2-1B shape, fp8 (dummy weights) vs vanilla fp8 (~4 min)
+#   bash bench/gpu_run.sh gptq-1b OUTDIR   # the same on a 4-bit GPTQ checkpoint (random weights, checkpoints.py) (~6 min)
+#   bash bench/gpu_run.sh lora-1b OUTDIR   # the same with a rank-16 LoRA adapter on every request (~6 min)
+#
 # Other model shapes, and the peer hotwire-vllm (steering only) beside the instrumented engine,
 # all with weights at training-init scale:
 #   bash bench/gpu_run.sh 1b     OUTDIR   # throughput, Llama-3.2-1B shape, the five standard variants (~3 min)
@@ -64,7 +72,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh install|check|quick|v2-check|verify-V1|verify-V2|runners-1b|runners-8b|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|1b-long|1b-pinned|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
+step=${1:?usage: gpu_run.sh install|check|quick|quantized|quant-tests|fp8-1b|gptq-1b|lora-1b|v2-check|verify-V1|verify-V2|runners-1b|runners-8b|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|1b-long|1b-pinned|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -182,6 +190,32 @@ case "$step" in
     timeout 570 python3 bench/throughput.py --model llama8b-shape --prompts 256 --new-tokens 256 --runs 3 \
       --weights scaled --variants vanilla,capture_all,capture_all_disk,capture_all_s3 \
       --out "$out/throughput_8b_store.json" >"$log" 2>&1
+    ;;
+  quantized)
+    install_package
+    export VLLM_WORKER_MULTIPROC_METHOD=spawn
+    timeout 560 python3 bench/quantized_check.py --out "$out/quantized_check.json" >"$log" 2>&1
+    ;;
+  quant-tests)
+    VLLM_WORKER_MULTIPROC_METHOD=spawn timeout 570 python3 -m pytest -q -p no:cacheprovider \
+      tests/test_lora.py tests/test_head_hooks.py >"$log" 2>&1
+    ;;
+  fp8-1b)
+    timeout 560 python3 bench/throughput.py --model llama1b-shape --prompts 256 --new-tokens 256 --runs 5 \
+      --quantization fp8 --variants vanilla,plain,steer,capture,capture_all \
+      --out "$out/throughput_1b_fp8.json" >"$log" 2>&1
+    ;;
+  gptq-1b)
+    timeout 120 python3 bench/checkpoints.py gptq llama1b-shape /tmp/tlvllm-bench/llama1b-gptq >"$log" 2>&1 &&
+      timeout 440 python3 bench/throughput.py --model /tmp/tlvllm-bench/llama1b-gptq --prompts 256 \
+        --new-tokens 256 --runs 5 --variants vanilla,plain,steer,capture,capture_all \
+        --out "$out/throughput_1b_gptq.json" >>"$log" 2>&1
+    ;;
+  lora-1b)
+    python3 bench/checkpoints.py lora llama1b-shape /tmp/tlvllm-bench/llama1b-lora >"$log" 2>&1 &&
+      timeout 540 python3 bench/throughput.py --model llama1b-shape --prompts 256 --new-tokens 256 --runs 5 \
+        --weights scaled --lora /tmp/tlvllm-bench/llama1b-lora --variants vanilla,plain,steer,capture,capture_all \
+        --out "$out/throughput_1b_lora.json" >>"$log" 2>&1
     ;;
   v2-check)
     install_package

@@ -75,6 +75,11 @@ run of each steering or capturing variant after the measured rounds, and one of 
 before the first round and after the last (to compare an engine early and late in its life).
 Every run also records which processes and threads used the host's CPU (``proc_stats.py``).
 Three engines need ``--gpu-memory-utilization`` 0.3 at most.
+
+``--quantization fp8`` quantizes every engine's weights as vLLM loads them; a GPTQ checkpoint
+(``gptq_checkpoint.py``) is given as ``--model``.  ``--lora DIR`` runs every request of every
+engine with one LoRA adapter (vanilla vLLM with the same LoRA settings).  Each ratio is then to
+vanilla vLLM with the same quantization or adapter.
 """
 
 from __future__ import annotations
@@ -98,6 +103,8 @@ from typing import Any
 import cpu_pinning  # bench/ is on sys.path when this file runs as a script
 import gpu_power
 import proc_stats
+
+from inspect_tl_vllm.engine.adapters import read_adapter
 
 VARIANTS = ["vanilla", "plain", "steer", "capture", "capture_all"]
 STORED = {"capture_all_disk": "disk", "capture_all_s3": "s3"}
@@ -243,15 +250,20 @@ def serve(
     if weights == "scaled":  # collective_rpc pickles the function; these are the bench's own engines
         os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     started = time.time()
+    engine_args = dict(engine_args)
+    lora = engine_args.pop("lora", None)
     if kind in ("vanilla", "hotwire"):
         from vllm import LLM
 
+        if lora is not None:  # the same adapter and vLLM settings the instrumented engine gets
+            engine_args.update(read_adapter(lora).engine_args())
+            os.environ["TLVLLM_BENCH_LORA"] = lora
         llm = LLM(model=path, **engine_args)
         engine = None
     else:
         import inspect_tl_vllm
 
-        engine = inspect_tl_vllm.boot(path, instrument={"max_vectors": len(prompts)}, **engine_args)
+        engine = inspect_tl_vllm.boot(path, instrument={"max_vectors": len(prompts)}, lora=lora, **engine_args)
         llm = engine.llm
     info = {"boot_s": round(time.time() - started, 1), **engine_modes(llm)}
     info.update(general_plugins=plugins, vllm_plugins=os.environ.get("VLLM_PLUGINS"))
@@ -420,7 +432,11 @@ def run_variant(
         if variant == "hotwire":
             requests = hotwire_requests(len(prompts), layers // 2)
             sampling = [SamplingParams(**params, extra_args=extra) for extra in requests]
-        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+        lora = os.environ.get("TLVLLM_BENCH_LORA")
+        lora_request = read_adapter(lora).request() if lora else None
+        outputs = llm.generate(
+            [{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False, lora_request=lora_request
+        )
         token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     else:
         sae = None
@@ -640,6 +656,12 @@ def main() -> int:
         help="V1,V2: every variant on both of vLLM's model runners, each in engines of its own, interleaved in "
         "the same rounds and each compared with vanilla vLLM on the same runner (default: the runner vLLM picks)",
     )
+    parser.add_argument(
+        "--quantization", default=None, help="vLLM's quantization for every engine (fp8: weights quantized at load)"
+    )
+    parser.add_argument(
+        "--lora", default=None, metavar="DIR", help="a PEFT LoRA adapter every request of every engine runs with"
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
 
@@ -668,6 +690,10 @@ def measure(args: argparse.Namespace, variants: list[str], kinds: list[str]) -> 
         engine_args.update(dtype="float32", enforce_eager=True, kv_cache_memory_bytes=1 << 30)
     else:
         engine_args["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.quantization:
+        engine_args["quantization"] = args.quantization
+    if args.lora:  # each engine serves the adapter (serve() turns this into vLLM's or tl-vllm's arguments)
+        engine_args["lora"] = str(Path(args.lora).resolve())
     context = mp.get_context("spawn")
     engines: dict[str, Any] = {}
     summary: dict[str, Any] = {"model": args.model, "prompts": args.prompts, "new_tokens": args.new_tokens}
