@@ -2,7 +2,7 @@
 and a checker for the vLLM internals tl-vllm wraps and reads.
 
 tl-vllm wraps ``Worker.load_model``, ``Worker.compile_or_warm_up_model`` (and ``CPUWorker``'s), and
-``EngineCore._initialize_kv_caches`` (``engine/plugin.py``), wraps the model runner's
+``Executor.__init__`` (``engine/plugin.py``), wraps the model runner's
 ``execute_model`` and ``_preprocess`` (V1) or ``prepare_inputs`` (Model Runner V2) and reads the
 batch layout, the scheduler's output and a few runner attributes (``engine/runners.py``,
 ``engine/worker.py``), and passes engine arguments by name (``engine/construct.py``).  vLLM may
@@ -736,7 +736,7 @@ class AllOf:
 Need = Method | Members | Calls | KeywordAtCalls | Imports | Resolves | Absent | EnvVars | AnyOf | AllOf
 
 WORKER = "vllm/v1/worker/gpu_worker.py"
-CORE = "vllm/v1/engine/core.py"
+EXECUTOR = "vllm/v1/executor/abstract.py"
 SCHED = "vllm/v1/core/sched/output.py"
 V1_RUNNER = "vllm/v1/worker/gpu_model_runner.py"
 V1_BATCH = "vllm/v1/worker/gpu_input_batch.py"
@@ -763,12 +763,13 @@ COMMON: tuple[Need, ...] = (
         "the wrappers read worker.vllm_config.additional_config and worker.model_runner",
     ),
     Method(
-        CORE, "EngineCore", "_initialize_kv_caches", "plugin.py wraps it to start the engine core's parent watchdog"
+        EXECUTOR,
+        "Executor",
+        "__init__",
+        "plugin.py wraps it to start the engine core's parent watchdog before the workers start; it reads "
+        "the vllm_config argument's additional_config",
+        after_self=("vllm_config",),
     ),
-    Calls(
-        CORE, "EngineCore", "__init__", "_initialize_kv_caches", "the watchdog must start while the engine core boots"
-    ),
-    Members(CORE, "EngineCore", ("vllm_config",), "the wrapper reads engine_core.vllm_config.additional_config"),
     Members(
         SCHED,
         "SchedulerOutput",

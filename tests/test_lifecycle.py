@@ -1,18 +1,14 @@
-"""An instrumented engine dies with the process that owns it, and leaves no hand-off folder.
+"""An instrumented engine dies with the process that owns it, and leaves no shared memory behind.
 
-A front end killed with SIGKILL (``inspect`` ended by the OOM killer or a scheduler) runs no
-clean-up.  The engine's processes must notice and end themselves (``plugin.py``'s parent
-watchdog), and the next front end must remove the dead one's hand-off folder (``handoff.py``).
-
-Run as a script, this file is that front end: ``python test_lifecycle.py MODEL_DIR INFO_FILE``
-boots an instrumented engine through the Inspect provider (on its private event-loop thread,
-as ``inspect eval`` does), writes its pid and hand-off folder to INFO_FILE, and waits to be killed.
+``inspect eval`` may end by SIGINT (Ctrl-C: Inspect cancels and the provider shuts its engine
+down, or ends one still booting), SIGTERM or SIGKILL (a scheduler, the OOM killer: no clean-up
+runs).  The engine's processes must then end themselves (``plugin.py``'s parent watchdog) and
+remove the dead front end's hand-off folder (``handoff.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import multiprocessing
 import os
 import signal
@@ -96,44 +92,88 @@ def _kill(processes: list[Process]) -> None:
                 os.kill(process[0], signal.SIGKILL)
 
 
-@pytest.mark.engine
-def test_killed_front_end_takes_engine_and_handoff_folder_with_it(
-    vllm_ready: None, tiny_llama_dir: Path, tmp_path: Path
-) -> None:
-    from inspect_tl_vllm.engine.handoff import HandoffFolder
+TASK = """
+from pathlib import Path
 
-    info_file, log_file = tmp_path / "info.json", tmp_path / "front_end.log"
+from inspect_ai import Task, task
+from inspect_ai.dataset import Sample
+from inspect_ai.model import GenerateConfig
+from inspect_ai.solver import Generate, TaskState, solver
+
+
+@solver
+def answer_then_mark():
+    async def solve(state: TaskState, generate: Generate) -> TaskState:
+        state = await generate(state)
+        Path("answered").touch()  # the engine has booted and generates
+        return await generate(state)
+
+    return solve
+
+
+@task
+def long_run():
+    return Task(
+        dataset=[Sample(id=i, input=f"Count to {i}.") for i in range(48)],
+        solver=answer_then_mark(),
+        config=GenerateConfig(max_tokens=200, temperature=0.0),
+    )
+"""
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def _session(sid: int) -> list[Process]:
+    """The processes of session ``sid``: the eval and every process it started, re-parented or not."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (fields := _stat(int(entry.name))) and int(fields[3]) == sid:
+            found.append(_process(int(entry.name)))
+    return [p for p in found if _running(p)]
+
+
+@pytest.mark.engine
+@pytest.mark.parametrize("phase", ["boot", "generation"])
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_an_interrupted_eval_leaves_no_engine_process_or_shared_memory(
+    vllm_ready: None, tiny_llama_dir: Path, tmp_path: Path, signum: signal.Signals, phase: str
+) -> None:
+    """``inspect eval`` ended by a signal while its engine boots or generates: within seconds no
+    process it started runs (engine core, worker, resource tracker) and ``/dev/shm`` holds nothing
+    new (hand-off folder, vLLM's shared-memory queues)."""
+    (tmp_path / "task.py").write_text(TASK)
+    shared_before = set(SHARED_MEMORY.iterdir())
+    log_file = tmp_path / "eval.log"
+    inspect = str(Path(sys.executable).with_name("inspect"))
+    model_args = ["-M", "dtype=float32", "-M", "max_model_len=512"]
+    command = [inspect, "eval", "task.py", "--model", f"tl-vllm/{tiny_llama_dir}", *model_args, "--display", "plain"]
     env = {**os.environ, "TORCH_COMPILE_DISABLE": "1"}
     with log_file.open("w") as log:
-        front_end = subprocess.Popen(
-            [sys.executable, __file__, str(tiny_llama_dir), str(info_file)], stdout=log, stderr=log, env=env
-        )
-    engine: list[Process] = []
+        eval_process = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=log, env=env, start_new_session=True)
+    session: list[Process] = []
     try:
         deadline = time.monotonic() + BOOT_TIMEOUT_S
-        while not info_file.exists() and front_end.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert info_file.exists(), f"front end did not boot (exit {front_end.poll()}):\n{log_file.read_text()[-3000:]}"
-        info = json.loads(info_file.read_text())
-        assert info["pid"] == front_end.pid
-        engine = _descendants(front_end.pid)  # engine core, its worker, multiprocessing's resource tracker
-        names = [_cmdline(pid) for pid, _ in engine]
-        assert any("EngineCore" in name for name in names), names
-        assert any("Worker" in name for name in names), names
-        assert Path(info["handoff"]).is_dir()
-
-        front_end.kill()
-        front_end.wait(timeout=10)
-        survivors = _wait_until_gone(engine, GONE_TIMEOUT_S)
-        assert not survivors, f"still running {GONE_TIMEOUT_S} s after the front end was killed: {survivors}"
-        assert "is gone; exiting" in log_file.read_text()  # the watchdog, not some other exit, ended the core
-
-        HandoffFolder().close()  # the next front end's folder sweeps the dead one's away
-        assert not Path(info["handoff"]).exists()
+        while eval_process.poll() is None and time.monotonic() < deadline:
+            session = _session(eval_process.pid)
+            booting = any("EngineCore" in _cmdline(pid) for pid, _ in session)
+            if (phase == "boot" and booting) or (phase == "generation" and (tmp_path / "answered").exists()):
+                break
+            time.sleep(0.2)
+        assert eval_process.poll() is None, f"the eval ended first:\n{log_file.read_text()[-3000:]}"
+        if phase == "boot":
+            time.sleep(2)  # into the engine core's start-up, before any sample is answered
+            assert not (tmp_path / "answered").exists()
+        session = _session(eval_process.pid)
+        assert len(session) >= 3, [_cmdline(pid) for pid, _ in session]  # eval, engine core, resource tracker
+        eval_process.send_signal(signum)
+        eval_process.wait(timeout=GONE_TIMEOUT_S * 4 if signum == signal.SIGINT else GONE_TIMEOUT_S)
+        survivors = _wait_until_gone(_session(eval_process.pid), GONE_TIMEOUT_S)
+        assert not survivors, f"still running: {[_cmdline(pid) for pid, _ in survivors]}"
+        left = sorted(str(path) for path in set(SHARED_MEMORY.iterdir()) - shared_before)
+        assert not left, f"left in /dev/shm: {left}\n{log_file.read_text()[-3000:]}"
     finally:
-        front_end.kill()  # a no-op once it is reaped
-        _kill_all(engine)
-        front_end.wait(timeout=10)
+        eval_process.kill()  # a no-op once it is reaped
+        _kill_all(_session(eval_process.pid))
+        eval_process.wait(timeout=10)
 
 
 def test_sweep_keeps_live_owners_and_other_namespaces(tmp_path: Path) -> None:
@@ -195,20 +235,3 @@ def test_watchdog_only_in_vllm_children_once_and_ends_them_with_their_parent() -
         owner.kill()  # a no-op once it is reaped
         _kill_all(list(children.values()))
         owner.join(timeout=10)
-
-
-def _front_end(model_dir: str, info_file: Path) -> None:
-    import asyncio
-
-    from inspect_ai.model import get_model
-
-    model = get_model(f"tl-vllm/{model_dir}", boot="eager", dtype="float32", max_model_len=256, seed=0)
-    core = asyncio.run(model.api.engine_thread.instrumented())
-    partial = info_file.with_suffix(".tmp")
-    partial.write_text(json.dumps({"pid": os.getpid(), "handoff": str(core.instrumentation.handoff.path)}))
-    partial.rename(info_file)  # the test never reads a half-written file
-    time.sleep(BOOT_TIMEOUT_S)
-
-
-if __name__ == "__main__":
-    _front_end(sys.argv[1], Path(sys.argv[2]))

@@ -428,9 +428,9 @@ MUTATIONS = (
         "imports GPUModelRunner from neither",
     ),
     Mutation(
-        "the KV caches set up outside EngineCore.__init__",
-        ((vs.CORE, rename_self_calls("EngineCore", "__init__", "_initialize_kv_caches", "_setup_kv")),),
-        "core.py: EngineCore.__init__: never calls self._initialize_kv_caches(...)",
+        "the executor built from another argument",
+        ((vs.EXECUTOR, drop_param("Executor", "__init__", "vllm_config")),),
+        "abstract.py: Executor.__init__",
     ),
     Mutation(
         "a request's prompt length gone",

@@ -57,7 +57,7 @@ class HandoffFolder:
     """Front-end side: the folder, its token, and reading what workers wrote there."""
 
     def __init__(self) -> None:
-        base = Path("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
+        base = handoff_base()
         sweep_stale(base)
         self.path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{_pid_namespace()}.{os.getpid()}-", dir=base))
         self.token = uuid.uuid4().hex
@@ -78,6 +78,18 @@ class HandoffFolder:
 
     def close(self) -> None:
         self._cleanup()
+
+
+def handoff_base() -> Path:
+    """Where hand-off folders are made: ``/dev/shm`` where it can be written, else the temp folder."""
+    return Path("/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir())
+
+
+def sweep_stale_everywhere() -> list[Path]:
+    """``sweep_stale`` wherever a front end may have made its folder; an engine process whose front
+    end died runs it on its way out."""
+    bases = {handoff_base(), Path(tempfile.gettempdir())}
+    return [entry for base in sorted(bases) for entry in sweep_stale(base)]
 
 
 def sweep_stale(base: Path) -> list[Path]:

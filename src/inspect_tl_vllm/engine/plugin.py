@@ -10,17 +10,18 @@ front end never does.
   hooks, before the memory profile run that triggers torch.compile (hooks registered later
   never run when compiled).
 - ``Worker.compile_or_warm_up_model`` (and the CPU worker's own): after warm-up, check that every hook fired.
-- ``EngineCore._initialize_kv_caches``: start the parent watchdog in the engine core process.
-  It is the first engine-core method that runs after this plugin has loaded there: with the
+- ``Executor.__init__``: start the parent watchdog in the engine core process.  The executor is
+  the first thing ``EngineCore.__init__`` builds after this plugin has loaded there (with the
   ``spawn`` start method the plugin first loads inside ``EngineCore.__init__``, so wrapping
-  ``__init__`` or ``run_engine_core`` would not reach the engine core.  It runs before the
-  KV-cache profile, compilation and warm-up, the long part of a boot.
+  ``__init__`` or ``run_engine_core`` would not reach the engine core), before the workers start,
+  the model loads and compiles: a front end killed at any point of a boot takes its engine along.
 
 The parent watchdog: a front end killed with SIGKILL (an ``inspect`` process that the OOM
 killer or a scheduler ends) runs no clean-up, and vLLM's engine core does not watch its
 parent, so the engine core and its workers (gigabytes of memory, a whole GPU) lived on,
 re-parented to init.  Each instrumented engine-core and worker process therefore ends itself
-once its parent is gone; the engine core goes first and its workers follow.
+once its parent is gone; the engine core goes first and its workers follow.  Before it ends, it
+removes the hand-off folders (``handoff.py``, memory in ``/dev/shm``) of the front end that died.
 """
 
 from __future__ import annotations
@@ -126,10 +127,10 @@ CPU_WORKER_MODULE = "vllm.v1.worker.cpu_worker"
 def register() -> None:
     if unsupported_vllm() is not None:
         return  # no half-patched engine: construct_instrumented_llm refuses to build one, with the reason
-    from vllm.v1.engine.core import EngineCore  # the front end has imported it already
+    from vllm.v1.executor.abstract import Executor  # the front end has imported it already
 
     _quiet_cpu_shutdown()
-    _wrap(EngineCore, "_initialize_kv_caches", before=_watch_if_instrumented)
+    _wrap(Executor, "__init__", before=_watch_if_instrumented, before_gets_args=True)
     # The worker module is wrapped when a process imports it: importing it here would cost every
     # front end (which runs no worker) 2-3 s of kernel-module imports before its engine starts.
     after_import(WORKER_MODULE, _wrap_worker)
@@ -214,9 +215,13 @@ def _wrap(
     cls: type,
     name: str,
     *,
-    before: Callable[[Any], None] | None = None,
+    before: Callable[..., None] | None = None,
     after: Callable[[Any], None] | None = None,
+    before_gets_args: bool = False,
 ) -> None:
+    """Wrap ``cls.name`` in place: ``before(self)`` (``before(self, *args, **kwargs)`` with
+    ``before_gets_args``, for an ``__init__`` whose object has no state yet), then the method, then
+    ``after(self)``."""
     original = getattr(cls, name)
     if getattr(original, _MARK, False):
         return  # plugins may load several times in one process
@@ -224,7 +229,7 @@ def _wrap(
     @functools.wraps(original)
     def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
         if before is not None:
-            before(self)
+            before(self, *args, **kwargs) if before_gets_args else before(self)
         result = original(self, *args, **kwargs)
         if after is not None:
             after(self)
@@ -234,16 +239,17 @@ def _wrap(
     setattr(cls, name, wrapper)
 
 
-def _instrumented(owner: Any) -> bool:
-    """Whether ``owner`` (a worker or engine core) serves an instrumented engine; plain vLLM
-    engines and servers keep vLLM's own behaviour."""
-    extra = getattr(owner.vllm_config, "additional_config", None)
+def _instrumented(owner: Any, vllm_config: Any = None) -> bool:
+    """Whether ``owner`` (a worker or executor; or the engine of ``vllm_config``) serves an
+    instrumented engine; plain vLLM engines and servers keep vLLM's own behaviour."""
+    config = vllm_config if vllm_config is not None else owner.vllm_config
+    extra = getattr(config, "additional_config", None)
     return isinstance(extra, dict) and TAG in extra
 
 
-def _watch_if_instrumented(owner: Any) -> None:
-    """Start the parent watchdog if ``owner`` serves an instrumented engine."""
-    if _instrumented(owner):
+def _watch_if_instrumented(executor: Any, vllm_config: Any = None, *_args: Any, **kwargs: Any) -> None:
+    """Start the parent watchdog if the executor about to be built serves an instrumented engine."""
+    if _instrumented(executor, kwargs.get("vllm_config", vllm_config)):
         install_parent_watchdog()
 
 
@@ -319,4 +325,9 @@ def _watch_parent(parent_pid: int) -> None:
     # process's own children see it gone in turn.
     name = multiprocessing.current_process().name
     print(f"tl-vllm: parent process {parent_pid} of {name} (pid {os.getpid()}) is gone; exiting", file=sys.stderr)
-    os._exit(1)
+    try:
+        from inspect_tl_vllm.engine.handoff import sweep_stale_everywhere
+
+        sweep_stale_everywhere()  # the dead front end's hand-off folders: memory nobody else frees
+    finally:
+        os._exit(1)
