@@ -43,7 +43,7 @@ def run_snippet(code: str, cwd: Path, folder: Path) -> str:
 
 
 def test_every_python_snippet_is_covered_here():
-    assert len(python_snippets()) == 3
+    assert len(python_snippets()) == 4
 
 
 def test_head_ablation_snippet(smollm2_dir, vllm_ready, tmp_path):
@@ -122,3 +122,37 @@ def test_sae_features_commands(smollm2_dir, vllm_ready, tmp_path):
     done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert len(list((tmp_path / "sweep").glob("*.eval"))) == 3 + 2 * 2  # 3 coefficients, 2 controls at 1 and 2
+
+
+def test_agent_tools_commands(smollm2_dir, vllm_ready, tmp_path):
+    """The README's agent eval as written: a three-turn tool loop on SmolLM2 stores three captures
+    per sample, each with every row of its own call (input and answer, as its model event counts
+    them), and the README's reader prints them in order."""
+    import shlex
+
+    from inspect_ai.log import read_eval_log
+
+    from inspect_tl_vllm import activations
+
+    [command] = bash_lines("evals/agent_tools.py")
+    env = {**os.environ, "TORCH_COMPILE_DISABLE": "1", "INSPECT_LOG_DIR": str(tmp_path / "logs")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    done = subprocess.run(shlex.split(command), cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    [log_file] = (tmp_path / "logs").glob("*.eval")
+    log = read_eval_log(str(log_file))
+    assert log.status == "success" and len(log.samples) == 2
+    records = activations.load(log_file)
+    for sample in log.samples:
+        calls = [m for m in sample.messages if m.role == "assistant"]
+        assert len(calls) == 3 and all(m.tool_calls and m.tool_calls[0].function == "add" for m in calls)
+        events = [e for e in sample.events if e.event == "model"]
+        mine = [r for r in records if r.sample_id == sample.id]
+        assert [(r.call, r.input_messages) for r in mine] == [(0, 1), (1, 3), (2, 5)]
+        for event, record in zip(events, mine, strict=True):
+            rows = record.activations["blocks.20.hook_resid_post"]
+            assert rows.shape == (event.output.usage.input_tokens + event.output.usage.output_tokens - 1, 576)
+        assert mine[0].scores == {"tool_calls_made": 3}
+    out = run_snippet(snippet('"*agent-tools*.eval"'), tmp_path, tmp_path / "script")
+    printed = [line.split(":")[0] for line in out.strip().splitlines()]
+    assert printed == [f"{s} call {c} after {1 + 2 * c} messages" for s in ("q1", "q2") for c in range(3)], out
