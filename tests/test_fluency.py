@@ -1,5 +1,6 @@
 """The fluency scorer on the real CPU engine: it scores the answer under the unsteered model,
-equal to transformers' log-likelihood of the same tokens, whatever steering the sample asked for."""
+equal to transformers' log-likelihood of the same tokens, whatever steering the sample asked for
+and whether the answer ended by itself or was cut at max_tokens."""
 
 from __future__ import annotations
 
@@ -20,10 +21,12 @@ ANSWER = "The river runs to the sea."
 
 @solver
 def fixed_answer():
-    """Answer ``ANSWER`` without generating, as if the model had said it and stopped."""
+    """Answer ``ANSWER`` without generating, as if the model had said it and stopped (or, for a
+    sample whose id says so, had been cut at max_tokens)."""
 
     async def solve(state: TaskState, generate: Generate) -> TaskState:
-        state.output = ModelOutput.from_content(model=str(state.model), content=ANSWER, stop_reason="stop")
+        stop_reason = "max_tokens" if state.sample_id == "truncated" else "stop"
+        state.output = ModelOutput.from_content(model=str(state.model), content=ANSWER, stop_reason=stop_reason)
         state.messages.append(ChatMessageAssistant(content=ANSWER))
         return state
 
@@ -36,6 +39,7 @@ def test_fluency_is_the_unsteered_log_likelihood_of_the_answer(vllm_ready, tiny_
     samples = [
         Sample(id="plain", input="What is a river?"),
         Sample(id="steered", input="What is a river?", metadata={"tlvllm": steering}),
+        Sample(id="truncated", input="What is a river?"),
     ]
     task = Task(dataset=samples, solver=fixed_answer(), scorer=fluency())
     with provider_model_args() as args:
@@ -49,13 +53,15 @@ def test_fluency_is_the_unsteered_log_likelihood_of_the_answer(vllm_ready, tiny_
     prompt = tokenizer.apply_chat_template(
         [{"role": "user", "content": "What is a river?"}], add_generation_prompt=True, tokenize=True, return_dict=False
     )
-    answer = tokenizer(ANSWER, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    ids = torch.tensor([list(prompt) + answer])
+    answer = tokenizer(ANSWER, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([list(prompt) + answer + [tokenizer.eos_token_id]])
     with torch.no_grad():
         logits = load_hf(tiny_llama_dir)(ids).logits[0].float()
-    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0]
-    expected = float(logprobs[len(prompt) - 1 :].mean())
+    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[0, 1:, None])[:, 0][len(prompt) - 1 :]
+    expected, end = float(logprobs[:-1].mean()), float(logprobs[-1])
 
-    for sample_id in ("plain", "steered"):
+    for sample_id in ("plain", "steered", "truncated"):
         assert scores[sample_id].metadata["tokens"] == len(answer)
         assert scores[sample_id].value == pytest.approx(expected, abs=1e-4), sample_id
+    assert scores["plain"].metadata["end_logprob"] == pytest.approx(end, abs=1e-4)
+    assert scores["truncated"].metadata["truncated"] and "end_logprob" not in scores["truncated"].metadata

@@ -3,9 +3,14 @@
 A steered answer can score on a task while no longer being language (the sweep's steered
 answers at high coefficients mention the sea in strings of non-words).  Repetition is easy to
 flag (``sweep.is_degenerate``); incoherence is not.  This scorer measures it on the same engine:
-the mean log-probability per token of the answer (and its end-of-turn token, when it ended by
-itself) after the same prompt, under the model with no steering.  Fluent answers of a small chat
-model sit around -0.3 to -1.5; word salad falls far below.
+the mean log-probability per token of the answer after the same prompt, under the model with no
+steering.  Fluent answers of a small chat model sit around -0.3 to -1.5; word salad falls far below.
+
+An answer cut at ``max_tokens`` and one that ended by itself are scored the same way, over the
+answer's own tokens: the end-of-turn token of one that ended is kept apart (``end_logprob`` in the
+score's metadata, beside ``truncated``), so how often answers hit the limit, which steering
+changes, does not move the score.  An empty answer that ended at once has no token but its end:
+that is its score.
 """
 
 from __future__ import annotations
@@ -31,8 +36,12 @@ def fluency() -> Any:
         answer = state.output.completion
         ended = state.output.stop_reason == "stop"
         logprobs = await api.answer_logprobs(prompt, answer, ended=ended)
+        metadata: dict[str, Any] = {"truncated": not ended}
+        if ended:
+            metadata["end_logprob"] = logprobs[-1]
+            logprobs = logprobs[:-1] or logprobs  # an empty answer: its end-of-turn token alone
         value = sum(logprobs) / len(logprobs)
-        return Score(value=value, answer=answer, metadata={"tokens": len(logprobs), "min": min(logprobs)})
+        return Score(value=value, answer=answer, metadata={"tokens": len(logprobs), "min": min(logprobs), **metadata})
 
     return score
 
