@@ -103,7 +103,10 @@ def test_a_bootstrap_over_five_values_or_fewer_is_flagged():
 
 
 @pytest.mark.engine
-def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_path, monkeypatch):
+def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_path, monkeypatch, capsys):
+    """The CLI's sweep and report on the tiny model; running the sweep again runs only the points
+    that have no successful log (here one whose log was removed)."""
+    from inspect_ai.log import read_eval_log
     from safetensors.torch import save_file
 
     from conftest import TINY_MODEL_ARGS_CLI, environment
@@ -148,6 +151,21 @@ def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_pat
     with environment(TORCH_COMPILE_DISABLE="1"):
         assert main(args) == 0
     assert main(["report", str(tmp_path / "logs")]) == 0
+    logs = sorted((tmp_path / "logs").glob("*.eval"))
+    assert len(logs) == 3  # coef 0, coef 2, one control at 2
+
+    # run again: every point is done; with one point's log gone, only that point runs
+    assert main(args) == 0
+    assert sorted((tmp_path / "logs").glob("*.eval")) == logs
+    control = next(path for path in logs if read_eval_log(str(path)).eval.task_args.get("control_seed") is not None)
+    control.unlink()
+    with environment(TORCH_COMPILE_DISABLE="1"):
+        assert main(args) == 0
+    assert len(set((tmp_path / "logs").glob("*.eval")) - set(logs)) == 1
+    out = capsys.readouterr().out
+    assert out.count("done already") == 3 + 2
+    last_run = [line for line in out.splitlines() if line.startswith("sweep: point 3/3")][-1]
+    assert "control_seed=" in last_run and "done already" not in last_run
     table, png = report(str(tmp_path / "logs"))
     assert png.is_file() and png.stat().st_size > 1000
     rows = {line.split(" | ")[1]: line.split(" | ") for line in table.splitlines() if line.startswith("| 1 | ")}

@@ -120,7 +120,11 @@ def _sweep(args: argparse.Namespace) -> int:
         args.task, points, model=args.model, model_args=model_args, log_dir=args.log_dir, limit=args.limit
     )
     if failed:
-        print(f"sweep: {failed} of {len(points)} points failed (above); the report lists them", file=sys.stderr)
+        print(
+            f"sweep: {failed} of {len(points)} points failed (above); the same command again runs only the points "
+            "that have no successful log; the report lists the failed ones",
+            file=sys.stderr,
+        )
         return 1
     print(f"sweep: done; run `tl-vllm report {args.log_dir}`")
     return 0

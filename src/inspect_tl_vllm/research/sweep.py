@@ -50,12 +50,19 @@ def run_sweep(
     log_dir: str,
     limit: int | None = None,
 ) -> int:
-    """Run every point; returns how many points' evals did not succeed (each is reported)."""
+    """Run every point not already done in ``log_dir``; returns how many points' evals did not
+    succeed (each is reported).  A point is done when a log there succeeded with the same task
+    arguments, model, model arguments and limit: running a sweep again finishes the points that
+    failed or never ran, and reruns nothing else."""
     from inspect_ai import eval
 
+    done = finished_points(log_dir, model=model, model_args=model_args, limit=limit)
     failed = 0
     for i, point in enumerate(points, start=1):
         label = ", ".join(f"{k}={v}" for k, v in point.items())
+        if _normal(point) in done:
+            print(f"sweep: point {i}/{len(points)}: {label}: done already (a successful log in {log_dir})", flush=True)
+            continue
         print(f"sweep: point {i}/{len(points)}: {label}", flush=True)
         logs = eval(
             task, task_args=point, model=model, model_args=model_args, log_dir=log_dir, display="none", limit=limit
@@ -71,6 +78,28 @@ def run_sweep(
                 failed += 1
                 print(f"sweep:   {log.error.message if log.error else 'no error recorded'}", flush=True)
     return failed
+
+
+def finished_points(log_dir: str, *, model: str, model_args: dict[str, Any], limit: int | None) -> list[str]:
+    """The task arguments (normalised) of the points that succeeded in ``log_dir`` under this
+    model, model arguments and sample limit."""
+    from inspect_ai.log import list_eval_logs, read_eval_log
+
+    if not Path(log_dir).is_dir():
+        return []
+    found = []
+    for info in list_eval_logs(log_dir):
+        header = read_eval_log(info, header_only=True)
+        spec = header.eval
+        same_run = spec.model == model and spec.config.limit == limit
+        if header.status == "success" and same_run and _normal(spec.model_args) == _normal(model_args):
+            found.append(_normal(spec.task_args_passed))
+    return found
+
+
+def _normal(args: dict[str, Any]) -> str:
+    """Arguments as one comparable text: keys sorted, whole-number floats as floats."""
+    return json.dumps({k: float(v) if k == "coef" else v for k, v in args.items()}, sort_keys=True, default=str)
 
 
 def is_degenerate(text: str) -> bool:
