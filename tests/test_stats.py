@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from inspect_tl_vllm.research.stats import (
@@ -80,3 +81,48 @@ def test_holm_adjustment_matches_the_step_down_rule():
     # statsmodels' multipletests(method="holm") gives 0.03, 0.06, 0.06, 0.02 for these
     assert holm_adjusted([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert holm_adjusted([0.5, 0.6]) == [1.0, 1.0] and holm_adjusted([]) == []
+
+
+def test_dose_response_slope_is_least_squares_over_complete_questions():
+    from inspect_tl_vllm.research.stats import dose_response
+
+    rng = np.random.default_rng(3)
+    scores = {q: {c: float(rng.random() < 0.2 + 0.2 * c) for c in (0.0, 1.0, 2.0)} for q in range(12)}
+    scores["partial"] = {0.0: 1.0, 2.0: 0.0}  # not answered at coef 1: left out
+    test = dose_response(scores)
+    pairs = [(c, s) for q, by_coef in scores.items() if q != "partial" for c, s in by_coef.items()]
+    expected = np.polyfit([c for c, _ in pairs], [s for _, s in pairs], 1)[0]
+    assert test.slope == pytest.approx(expected, abs=1e-12)
+    assert (test.questions, test.coefs) == (12, [0.0, 1.0, 2.0])
+    assert dose_response(scores) == test  # seeded
+
+
+def test_dose_response_p_value_at_its_floor_and_its_ceiling():
+    from inspect_tl_vllm.research.stats import dose_response
+
+    rising = {q: {0.0: 0.0, 1.0: 0.0, 2.0: 1.0} for q in range(20)}  # every question flips at the top dose
+    assert dose_response(rising, permutations=999).p_value == pytest.approx(1 / 1000)
+    flat = {q: {0.0: 0.5, 1.0: 0.5} for q in range(20)}
+    test = dose_response(flat, permutations=999)
+    assert test.slope == pytest.approx(0.0) and test.p_value == 1.0
+    falling = {q: {0.0: 1.0, 1.0: 0.0} for q in range(20)}
+    assert dose_response(falling, permutations=999).p_value == 1.0  # one-sided: a falling score is no effect
+
+
+def test_dose_response_p_value_is_calibrated_under_the_null():
+    """With no effect (scores drawn alike at every coefficient), p <= 0.05 in about 5% of sweeps."""
+    from inspect_tl_vllm.research.stats import dose_response
+
+    rng = np.random.default_rng(11)
+    p_values = [
+        dose_response({q: {c: float(rng.random() < 0.4) for c in (0.0, 1.0, 2.0)} for q in range(20)}, 199).p_value
+        for _ in range(300)
+    ]
+    assert 0.02 <= np.mean(np.asarray(p_values) <= 0.05) <= 0.09
+
+
+def test_dose_response_refuses_a_single_coefficient():
+    from inspect_tl_vllm.research.stats import dose_response
+
+    with pytest.raises(ValueError, match="two coefficients"):
+        dose_response({"q": {1.0: 1.0}})

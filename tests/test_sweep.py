@@ -171,11 +171,14 @@ def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_pat
     rows = {line.split(" | ")[1]: line.split(" | ") for line in table.splitlines() if line.startswith("| 1 | ")}
     assert set(rows) == {"0", "2"}
     assert rows["0"][2] == "2" and rows["0"][6] == "—"  # the unsteered point has no controls
-    assert rows["2"][2] == "2" and rows["2"][6].startswith("1, ") and rows["2"][8] != "—"
+    assert rows["2"][2] == "2" and rows["2"][6].startswith("1, ") and rows["2"][9] != "—"
+    assert rows["2"][8] != "—" and rows["0"][8] == "—"  # steering less its control, per question
     assert float(rows["2"][4].split(" [")[0]) < 0  # fluency: a mean log-probability
     assert "too narrow (they cover the mean less often than 95%); run more samples for: layer 1, coef 0;" in table
+    assert "- layer 1: slope " in table and "over 2 questions answered at every coefficient (0, 2)" in table
     saved = json.loads((tmp_path / "logs" / "report.json").read_text())
     assert saved["method"].startswith("Intervals are 95%: Wilson")
+    assert saved["dose_response"][0]["questions"] == 2 and saved["rows"][1]["effect"]["questions"] == 2
     assert saved["rows"][1]["controls"]["seeds"] == [control_seed(1, 2.0, 0)]
 
 
@@ -235,7 +238,7 @@ def test_report_counts_a_rerun_point_once_and_lists_failed_points(vllm_ready, ti
     table, _ = report(str(logs))
     row = next(line.split(" | ") for line in table.splitlines() if line.startswith("| 1 | 2 |"))
     assert row[2] == "2" and row[6].startswith("1 (+1 failed), ")
-    assert "| p | p, Holm over 1 |" in table and row[9].rstrip(" |") == row[8]  # one tested row: no adjustment
+    assert "| p | p, Holm over 1 |" in table and row[10].rstrip(" |") == row[9]  # one tested row: no adjustment
     assert "- layer 1, coef 2, control seed 7: error: RuntimeError('the engine ran out of memory')" in table
     saved = json.loads((logs / "report.json").read_text())["rows"][0]
     assert saved["n"] == 2 and saved["controls"]["directions"] == 1
@@ -245,3 +248,25 @@ def test_report_counts_a_rerun_point_once_and_lists_failed_points(vllm_ready, ti
     table, _ = report(str(logs))
     row = next(line.split(" | ") for line in table.splitlines() if line.startswith("| 1 | 2 |"))
     assert row[6].startswith("2, ") and "failed" not in table.split("\n\n")[0]
+
+
+def test_steering_less_controls_is_paired_by_question():
+    """Each question's steered score less the mean of the controls that answered it; a question
+    no control answered is left out; the dose-response test pairs questions across coefficients."""
+    from inspect_tl_vllm.research.sweep import Point, Row, dose_responses
+
+    questions = [("a", 1), ("b", 1), ("c", 1)]
+    steering = Point(2.0, 1, None, scores=[1.0, 1.0, 0.0], questions=questions)
+    controls = [
+        Point(2.0, 1, 11, scores=[0.0, 1.0], questions=questions[:2]),
+        Point(2.0, 1, 12, scores=[1.0, 1.0], questions=questions[:2]),
+    ]
+    row = Row(1, 2.0, steering, controls)
+    assert row.paired_differences() == [0.5, 0.0]
+    summary = row.summary()
+    assert summary["effect"]["estimate"] == 0.25 and summary["effect"]["questions"] == 2
+    assert "effect" in summary["too_few_for_bootstrap"]
+    unsteered = Row(1, 0.0, Point(0.0, 1, None, scores=[0.0, 0.0, 0.0], questions=questions), [])
+    [dose] = dose_responses([unsteered, row])
+    assert (dose["layer"], dose["questions"], dose["coefs"]) == (1, 3, [0.0, 2.0])
+    assert dose["slope"] == pytest.approx((2 / 3) / 2.0)

@@ -8,6 +8,12 @@
 - Steering against random controls: with N control directions, each one eval, the one-sided
   Monte Carlo p-value ``(1 + #{controls scoring >= steering}) / (N + 1)``.  Its smallest value
   is 1 / (N + 1): 19 directions are needed before it can reach 0.05.
+- Steering minus control, per question: a paired bootstrap (questions resampled, each with its
+  steered score less the control directions' mean score on it).
+- Dose-response, the one pre-specified test of a sweep: the least-squares slope of score on
+  coefficient over every question answered at every coefficient, against a permutation null that
+  shuffles each question's scores across the coefficients (so the questions' own difficulty is
+  kept).  One test per layer, whatever the number of coefficients: no multiplicity to adjust.
 """
 
 from __future__ import annotations
@@ -89,3 +95,51 @@ def holm_adjusted(p_values: list[float]) -> list[float]:
         running = max(running, min(1.0, (m - rank) * p_values[i]))
         adjusted[i] = running
     return adjusted
+
+
+PERMUTATION_CHUNK = 500
+
+
+@dataclass(frozen=True)
+class SlopeTest:
+    """A dose-response slope with its one-sided permutation p-value (slope > 0)."""
+
+    slope: float
+    p_value: float
+    questions: int
+    coefs: list[float]
+    permutations: int
+    method: str
+
+
+def dose_response(scores: dict[object, dict[float, float]], permutations: int = 9_999, seed: int = 0) -> SlopeTest:
+    """Slope of score on coefficient over the questions in ``scores`` ({question: {coef: score}})
+    that were answered at every coefficient any of them has, and the one-sided p-value
+    ``(1 + #{permuted slopes >= slope}) / (permutations + 1)`` with each question's scores shuffled
+    across its coefficients."""
+    coefs = sorted({c for by_coef in scores.values() for c in by_coef})
+    complete = [by_coef for by_coef in scores.values() if all(c in by_coef for c in coefs)]
+    if len(coefs) < 2 or not complete:
+        raise ValueError(f"dose_response: need two coefficients and a question answered at all; got {coefs}")
+    x = np.asarray(coefs, dtype=np.float64)
+    y = np.asarray([[by_coef[c] for c in coefs] for by_coef in complete], dtype=np.float64)
+    centred = (x - x.mean()) / ((x - x.mean()) ** 2).sum()  # slope = centred . mean over questions of y
+
+    def slope(table: np.ndarray) -> np.ndarray:
+        return table.mean(axis=-2) @ centred
+
+    observed = float(slope(y))
+    rng = np.random.default_rng(seed)
+    exceed = 0
+    for start in range(0, permutations, PERMUTATION_CHUNK):  # bounded memory for large sweeps
+        count = min(PERMUTATION_CHUNK, permutations - start)
+        shuffled = rng.permuted(np.broadcast_to(y, (count, *y.shape)), axis=-1)
+        exceed += int((slope(shuffled) >= observed - 1e-12).sum())
+    return SlopeTest(
+        observed,
+        (1 + exceed) / (permutations + 1),
+        len(complete),
+        coefs,
+        permutations,
+        f"least-squares slope, one-sided permutation test ({permutations} shuffles within questions, seed {seed})",
+    )

@@ -16,9 +16,13 @@ from inspect_tl_vllm.research.stats import (
     SMALL_BOOTSTRAP_N,
     bootstrap_interval,
     control_p_value,
+    dose_response,
     holm_adjusted,
     mean_interval,
 )
+
+Question = tuple[Any, int]
+"""(sample id, epoch): one answer of a sweep point, the unit its paired statistics resample."""
 
 
 def control_seed(layer: int, coef: float, index: int) -> int:
@@ -128,6 +132,7 @@ class Point:
     layer: int | None
     seed: int | None  # the control direction's seed; None for the steering vector
     scores: list[float] = field(default_factory=list)
+    questions: list[Question] = field(default_factory=list)  # (sample id, epoch) of each score, when known
     fluency: list[float] = field(default_factory=list)
     degenerate: int = 0
     failed: str | None = None
@@ -135,6 +140,9 @@ class Point:
     @property
     def mean(self) -> float:
         return sum(self.scores) / len(self.scores) if self.scores else math.nan
+
+    def by_question(self) -> dict[Question, float]:
+        return dict(zip(self.questions, self.scores, strict=True))
 
 
 @dataclass
@@ -186,7 +194,25 @@ class Row:
                 out["controls"]["fluency"] = statistics.fmean(fluency)
             if "score" in out:
                 out["p_value"] = control_p_value(out["score"]["estimate"], means)
+            differences = self.paired_differences()
+            if differences:
+                out["effect"] = {**asdict(bootstrap_interval(differences)), "questions": len(differences)}
+                if len(differences) <= SMALL_BOOTSTRAP_N:
+                    out.setdefault("too_few_for_bootstrap", []).append("effect")
         return out
+
+    def paired_differences(self) -> list[float]:
+        """Per question: the steered score less the mean score of the control directions that
+        answered it (questions no control answered are left out)."""
+        if self.steering is None or not self.steering.questions:
+            return []
+        controls = [c.by_question() for c in self.controls if c.questions]
+        differences = []
+        for question, score in self.steering.by_question().items():
+            answered = [c[question] for c in controls if question in c]
+            if answered:
+                differences.append(score - statistics.fmean(answered))
+        return differences
 
 
 PointKey = tuple[float, int | None, int | None]
@@ -221,8 +247,9 @@ def collect(log_dir: str) -> list[Row]:
     points: dict[PointKey, Point] = {}
     for key in answers.keys() | failures.keys():
         point = points[key] = Point(*key)
-        for score, fluency, degenerate in answers.get(key, {}).values():
+        for question, (score, fluency, degenerate) in answers.get(key, {}).items():
             point.scores.append(score)
+            point.questions.append(question)
             point.fluency += fluency
             point.degenerate += degenerate
         if key not in answers:
@@ -248,7 +275,11 @@ METHOD = (
     "epoch) once, from its newest successful log; points whose evals all failed are listed and left out (the "
     "control count and p-value use the directions that ran). The last column adjusts p over every tested "
     "(layer, coefficient) row by Holm's step-down method, which bounds the chance of any false positive "
-    "among them."
+    "among them. Steering − controls is the mean over questions of the steered score less the control "
+    "directions' mean score on the same question, with a paired percentile bootstrap over questions "
+    "(10,000 resamples, seed 0). The dose-response test is the sweep's one pre-specified test per layer: "
+    "the least-squares slope of score on coefficient over the questions answered at every coefficient, "
+    "one-sided, against 9,999 permutations of each question's scores across the coefficients (seed 0)."
 )
 
 
@@ -263,8 +294,9 @@ def report(log_dir: str) -> tuple[str, Path]:
         s["p_holm"] = adjusted
     lines = [
         "| layer | coef | n | steering score [95% CI] | fluency [95% CI] | degenerate | "
-        f"controls: directions, mean score (min–max) | control fluency | p | p, Holm over {len(tested)} |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "controls: directions, mean score (min–max) | control fluency | steering − controls, paired [95% CI] | "
+        f"p | p, Holm over {len(tested)} |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summaries:
         score = _interval(s.get("score"))
@@ -284,7 +316,7 @@ def report(log_dir: str) -> tuple[str, Path]:
         holm = f"{s['p_holm']:.3f}" if "p_holm" in s else "—"
         lines.append(
             f"| {s['layer']} | {s['coef']:g} | {s.get('n', '—')} | {score} | {fluency} | {degenerate} | "
-            f"{spread} | {control_fluency} | {p} | {holm} |"
+            f"{spread} | {control_fluency} | {_interval(s.get('effect'))} | {p} | {holm} |"
         )
     failed = [
         f"- layer {s['layer']}, coef {s['coef']:g}, {what}: {error}"
@@ -293,6 +325,14 @@ def report(log_dir: str) -> tuple[str, Path]:
         + [(f"control seed {c['seed']}", c["error"]) for c in s.get("controls_failed", [])]
         if error
     ]
+    doses = dose_responses(rows)
+    if doses:
+        lines += ["", "Dose-response (the pre-specified test: does the score rise with the coefficient?):"]
+        lines += [
+            f"- layer {d['layer']}: slope {d['slope']:.4f} per unit of coefficient over {d['questions']} questions "
+            f"answered at every coefficient ({', '.join(f'{c:g}' for c in d['coefs'])}), p = {d['p_value']:.4f}"
+            for d in doses
+        ]
     small = [f"layer {s['layer']}, coef {s['coef']:g}" for s in summaries if "too_few_for_bootstrap" in s]
     if small:
         lines += [
@@ -311,8 +351,27 @@ def report(log_dir: str) -> tuple[str, Path]:
     png = Path(log_dir) / "report.png"
     _plot(summaries, png, title=f"Steering sweep: {Path(log_dir).name}")
     (Path(log_dir) / "report.md").write_text(table + "\n")
-    (Path(log_dir) / "report.json").write_text(json.dumps({"method": METHOD, "rows": summaries}, indent=1))
+    saved = {"method": METHOD, "rows": summaries, "dose_response": doses}
+    (Path(log_dir) / "report.json").write_text(json.dumps(saved, indent=1))
     return table, png
+
+
+def dose_responses(rows: list[Row]) -> list[dict[str, Any]]:
+    """The dose-response test of each layer whose steering vector ran at two coefficients or more
+    (coefficient 0, the unsteered model, included)."""
+    by_layer: dict[int | None, dict[Question, dict[float, float]]] = {}
+    for row in rows:
+        if row.steering is not None and row.steering.questions:
+            table = by_layer.setdefault(row.layer, {})
+            for question, score in row.steering.by_question().items():
+                table.setdefault(question, {})[row.coef] = score
+    tests = []
+    for layer, table in by_layer.items():
+        try:
+            tests.append({"layer": layer, **asdict(dose_response(table))})
+        except ValueError:  # one coefficient, or no question answered at every one
+            continue
+    return tests
 
 
 def _interval(value: dict[str, Any] | None) -> str:
