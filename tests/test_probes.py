@@ -291,3 +291,96 @@ def test_sample_groups_join_epochs_and_identical_inputs():
     records.append(SimpleNamespace(sample_id="gone", epoch=1))  # not in the log: its id alone
     keys = sample_groups(log, records)
     assert keys[0] == keys[1] == keys[2] != keys[3] and keys[4] == "id:'gone'"
+
+
+def test_repeated_cross_validation_uses_new_folds_and_reports_their_mean():
+    from inspect_tl_vllm.research.probes import repeated_cv
+
+    x, y = noise(n=60, d=6)
+    result = repeated_cv(x, y, folds=5, repeats=4, seed=2, l2=1e-2)
+    assert result.seeds == (2, 3, 4, 5) and len(result.runs) == 4
+    assert len({tuple(r.predictions.tolist()) for r in result.runs}) > 1  # other folds, other predictions
+    assert result.mean == pytest.approx(sum(result.accuracies) / 4)
+    direct = cross_validate(x, y, stratified_folds(y, 5, 3), l2=1e-2)
+    assert torch.equal(result.runs[1].predictions, direct.predictions)
+    assert result.correct_share().shape == (60,)
+    with pytest.raises(SpecError, match="repeats must be within 1 and 1000"):
+        repeated_cv(x, y, repeats=0)
+
+
+def test_permutation_test_repeats_the_procedure_on_permuted_labels():
+    from inspect_tl_vllm.research.probes import permutation_test
+
+    x, y = separable(n=60)
+    observed = cross_validate(x, y, stratified_folds(y, 5, 0), l2=1e-2).accuracy().estimate
+    found = permutation_test(x, y, observed, permutations=19, l2=1e-2)
+    assert found.p_value == pytest.approx(1 / 20) and len(found.null_accuracies) == 19
+    assert abs(sum(found.null_accuracies) / 19 - 0.5) < 0.12  # noise scores about chance
+    x, y = noise(n=60, d=6)
+    observed = cross_validate(x, y, stratified_folds(y, 5, 0), l2=1e-2).accuracy().estimate
+    assert permutation_test(x, y, observed, permutations=19, l2=1e-2).p_value > 0.1
+
+
+def test_mcnemar_counts_only_the_samples_one_classifier_gets_right():
+    from inspect_tl_vllm.research.stats import mcnemar_p_value
+
+    first = [True] * 10 + [False] * 2 + [True] * 30 + [False] * 5  # 10 only first, 2 only second
+    second = [False] * 10 + [True] * 2 + [True] * 30 + [False] * 5
+    assert mcnemar_p_value(first, second) == pytest.approx(2 * (1 + 12 + 66) / 4096)
+    assert mcnemar_p_value(second, first) == mcnemar_p_value(first, second)
+    assert mcnemar_p_value([True, False], [True, False]) == 1.0
+    with pytest.raises(ValueError, match="same samples"):
+        mcnemar_p_value([True], [True, False])
+
+
+PROBE_TASK_LABELS = [i % 2 for i in range(16)]
+
+
+@pytest.mark.engine
+def test_train_probe_script_on_a_real_log(vllm_ready, tiny_llama_dir, tmp_path):
+    """evals/train_probe.py on a log of the tiny model with captures: every row, both tests, the
+    saved probe."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from inspect_ai import Task, eval
+    from inspect_ai.dataset import Sample
+    from inspect_ai.model import GenerateConfig
+    from inspect_ai.scorer import Score, mean, scorer
+    from inspect_ai.solver import generate
+
+    from conftest import PROVIDER_ARGS, environment
+
+    @scorer(metrics=[mean()])
+    def label():
+        async def score(state, target):
+            return Score(value=state.metadata["label"])
+
+        return score
+
+    samples = [
+        Sample(id=i, input=("Name a river." if y else "Add 2 and 3.") + f" ({i})", metadata={"label": y,
+               "category": "river" if y else "sum"})
+        for i, y in enumerate(PROBE_TASK_LABELS)
+    ]  # fmt: skip
+    task = Task(dataset=samples, solver=generate(), scorer=label(), config=GenerateConfig(max_tokens=2))
+    args = {**PROVIDER_ARGS, "capture": "blocks.1.hook_resid_post"}
+    with environment(TORCH_COMPILE_DISABLE="1"):
+        log = eval(task, model=f"tl-vllm/{tiny_llama_dir}", model_args=args, log_dir=str(tmp_path), display="none")[0]
+    assert log.status == "success", log.error
+    script = Path(__file__).resolve().parents[1] / "evals" / "train_probe.py"
+    command = [sys.executable, str(script), log.location, "--hook", "blocks.1.hook_resid_post"]
+    command += ["--out", str(tmp_path / "probe.safetensors"), "--folds", "2", "--repeats", "3", "--permutations", "4"]
+    done = subprocess.run([*command, "--l2", "0.01"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout
+    assert "16 samples, 8 correct" in out and "3 splits (seeds 0..2)" in out
+    for row in ("probe (activations)", "majority baseline", "control: metadata 'category' only"):
+        line = next(line for line in out.splitlines() if line.startswith(row))
+        assert "/16" in line and "(" in line.split("/16")[1], line  # first split, then the mean (min–max)
+    assert "probe against shuffled labels: p = " in out and "4 permutations of the whole procedure" in out
+    assert "probe against metadata 'category' only: McNemar p = " in out
+    assert load_probe(tmp_path / "probe.safetensors")[2] == "blocks.1.hook_resid_post"
+    refused = subprocess.run([*command, "--repeats", "0"], capture_output=True, text=True, timeout=300)
+    assert refused.returncode == 2 and "--repeats 0: give 1 to 1000 splits" in refused.stderr

@@ -143,3 +143,17 @@ def dose_response(scores: dict[object, dict[float, float]], permutations: int = 
         permutations,
         f"least-squares slope, one-sided permutation test ({permutations} shuffles within questions, seed {seed})",
     )
+
+
+def mcnemar_p_value(first_correct: list[bool], second_correct: list[bool]) -> float:
+    """Exact two-sided McNemar test of two classifiers on the same samples: of the samples exactly
+    one of them gets right, how unlikely so uneven a split is if each is as likely as the other."""
+    if len(first_correct) != len(second_correct):
+        raise ValueError("mcnemar_p_value: both classifiers must be scored on the same samples")
+    only_first = sum(a and not b for a, b in zip(first_correct, second_correct, strict=True))
+    only_second = sum(b and not a for a, b in zip(first_correct, second_correct, strict=True))
+    n = only_first + only_second
+    if n == 0:
+        return 1.0
+    tail = sum(math.comb(n, k) for k in range(min(only_first, only_second) + 1)) / 2**n
+    return min(1.0, 2 * tail)
