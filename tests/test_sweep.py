@@ -179,6 +179,7 @@ def test_sweep_and_report_on_the_real_engine(vllm_ready, tiny_llama_dir, tmp_pat
     saved = json.loads((tmp_path / "logs" / "report.json").read_text())
     assert saved["method"].startswith("Intervals are 95%: Wilson")
     assert saved["dose_response"][0]["questions"] == 2 and saved["rows"][1]["effect"]["questions"] == 2
+    assert len(saved["rows"][1]["spec_sha256"]) == 1 and len(saved["rows"][1]["spec_sha256"][0]) == 64
     assert saved["rows"][1]["controls"]["seeds"] == [control_seed(1, 2.0, 0)]
 
 

@@ -40,6 +40,7 @@ from inspect_tl_vllm.provider.active import ActiveSample, active_sample
 from inspect_tl_vllm.provider.engine_pool import EngineThread, shared_engine
 from inspect_tl_vllm.provider.generate_config import config_sampling, per_request
 from inspect_tl_vllm.provider.model_args import parse_model_args
+from inspect_tl_vllm.provider.run_record import record_run_once, spec_sha256
 from inspect_tl_vllm.provider.sample_spec import FILES_KEY, METADATA_KEY, named_file_digests
 from inspect_tl_vllm.provider.sampling_extras import sampling_extras
 from inspect_tl_vllm.provider.tool_calls import parse_tool_calls
@@ -120,6 +121,8 @@ class TLVLLMAPI(ModelAPI):
     ) -> tuple[ModelOutput, ModelCall]:
         active = active_sample()
         where = f"sample {active.sample.id!r} (epoch {active.epoch})" if active else "request"
+        if active is not None:
+            record_run_once(active.eval_id, self.settings, self.model_path)  # for the eval's log
         spec = self._spec_for(active, config, where)
         prompt_ids = self._prompt_ids(input, tools)  # a spec or chat that cannot work fails before the boot
         instrumented = await self.engine_thread.instrumented()
@@ -461,7 +464,8 @@ class TLVLLMAPI(ModelAPI):
     ) -> dict[str, Any]:
         """The call's record for its output metadata, its captures stored as call ``turn[0]`` of the
         sample (``turn[1]``: how many messages its input held)."""
-        record: dict[str, Any] = {"receipt": result.receipt, "applied": prepared.applied()}
+        applied = prepared.applied()
+        record: dict[str, Any] = {"receipt": result.receipt, "applied": applied, "spec_sha256": spec_sha256(applied)}
         if result.activations:
             summary = {
                 hook: {"shape": list(t.shape), "mean_norm": float(t.float().norm(dim=-1).mean())}

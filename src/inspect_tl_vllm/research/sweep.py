@@ -20,6 +20,7 @@ from inspect_tl_vllm.research.stats import (
     holm_adjusted,
     mean_interval,
 )
+from inspect_tl_vllm.specs import TAG
 
 Question = tuple[Any, int]
 """(sample id, epoch): one answer of a sweep point, the unit its paired statistics resample."""
@@ -133,6 +134,7 @@ class Point:
     seed: int | None  # the control direction's seed; None for the steering vector
     scores: list[float] = field(default_factory=list)
     questions: list[Question] = field(default_factory=list)  # (sample id, epoch) of each score, when known
+    specs: set[str] = field(default_factory=set)  # the samples' resolved steering (spec_sha256 of each output)
     fluency: list[float] = field(default_factory=list)
     degenerate: int = 0
     failed: str | None = None
@@ -161,6 +163,8 @@ class Row:
         failed = [{"seed": c.seed, "error": c.failed} for c in self.controls if c.failed]
         if failed:
             out["controls_failed"] = failed
+        if self.steering is not None and self.steering.specs:
+            out["spec_sha256"] = sorted(self.steering.specs)
         if self.steering is not None and self.steering.scores:
             out["n"] = len(self.steering.scores)
             out["score"] = asdict(mean_interval(self.steering.scores))
@@ -227,7 +231,7 @@ def collect(log_dir: str) -> list[Row]:
 
     logs = [read_eval_log(info) for info in list_eval_logs(log_dir)]
     logs.sort(key=lambda log: log.eval.created)  # oldest first: a newer log's sample replaces an older's
-    answers: dict[PointKey, dict[tuple[Any, int], tuple[float, list[float], bool]]] = {}
+    answers: dict[PointKey, dict[Question, tuple[float, list[float], bool, str | None]]] = {}
     failures: dict[PointKey, str] = {}
     for log in logs:
         args = log.eval.task_args or {}
@@ -243,13 +247,16 @@ def collect(log_dir: str) -> list[Row]:
             value = next(iter(task_scores.values())).value
             score = float(value) if isinstance(value, int | float) else float(value == "C")
             fluency = [float(v.value) for k, v in sample.scores.items() if is_fluency_score(k)]
-            kept[(sample.id, sample.epoch)] = (score, fluency, is_degenerate(sample.output.completion))
+            spec = ((sample.output.metadata or {}).get(TAG) or {}).get("spec_sha256")
+            kept[(sample.id, sample.epoch)] = (score, fluency, is_degenerate(sample.output.completion), spec)
     points: dict[PointKey, Point] = {}
     for key in answers.keys() | failures.keys():
         point = points[key] = Point(*key)
-        for question, (score, fluency, degenerate) in answers.get(key, {}).items():
+        for question, (score, fluency, degenerate, spec) in answers.get(key, {}).items():
             point.scores.append(score)
             point.questions.append(question)
+            if spec is not None:
+                point.specs.add(spec)
             point.fluency += fluency
             point.degenerate += degenerate
         if key not in answers:
@@ -279,7 +286,9 @@ METHOD = (
     "directions' mean score on the same question, with a paired percentile bootstrap over questions "
     "(10,000 resamples, seed 0). The dose-response test is the sweep's one pre-specified test per layer: "
     "the least-squares slope of score on coefficient over the questions answered at every coefficient, "
-    "one-sided, against 9,999 permutations of each question's scores across the coefficients (seed 0)."
+    "one-sided, against 9,999 permutations of each question's scores across the coefficients (seed 0). "
+    "report.json names the steering each row's answers ran with: the sha256 of each call's resolved spec "
+    "(vector hashes and norms, coefficient, positions), as its output's metadata records it."
 )
 
 

@@ -11,6 +11,7 @@ outside the folder is skipped with a ``SkippedRecordWarning`` (``strict=True`` r
 
 from __future__ import annotations
 
+import json
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -21,6 +22,7 @@ import numpy as np
 import torch
 
 from inspect_tl_vllm.extras import require
+from inspect_tl_vllm.specs import TAG
 from inspect_tl_vllm.store.layout import (
     STORED_KEYS,
     SampleReader,
@@ -135,8 +137,6 @@ def read(log: str | Path, sample_id: Any, epoch: int = 1, *, verify: bool = True
     missing, changed, unreadable or named outside its folder; Inspect's own error when the log has
     no such sample."""
     from inspect_ai.log import read_eval_log_sample
-
-    from inspect_tl_vllm.specs import TAG
 
     sample = read_eval_log_sample(str(log), sample_id, epoch)
     where = f"{log}: sample {sample_id!r} epoch {epoch}"
@@ -330,6 +330,28 @@ def _arrow_column(values: list[Any], kind: Any = None) -> Any:
         return pa.array([v if v is None or isinstance(v, str) else json.dumps(v, default=str) for v in values])
 
 
+def describe_run(log_file: str) -> list[str]:
+    """What the eval ran with, from the run record in its log's metadata (``provider/run_record.py``):
+    one line per run-wide intervention with its vector's hash and norm, and the capture."""
+    from inspect_ai.log import read_eval_log
+
+    record = (read_eval_log(log_file, header_only=True).metadata or {}).get(TAG)
+    if not isinstance(record, dict):
+        return ["run: no tl-vllm run record in the log (an eval not run through tl-vllm, or an older log)"]
+    lines = [f"run: model {record.get('model_path')}, fingerprint {record.get('fingerprint')}"]
+    for item in record.get("steering") or []:
+        op, coef = item.get("op", "add"), item.get("coef", 1.0)
+        where = f"{item.get('hook')} {op} coef {coef:g} positions {item.get('positions')}"
+        if "vector" in item:
+            where += f" vector {item['vector']} ({item.get('vector_hash')}, norm {item.get('vector_norm', 0):.4g})"
+        lines.append(f"run: steering {where}")
+    if record.get("capture"):
+        lines.append(f"run: capture {json.dumps(record['capture'], sort_keys=True)}")
+    if record.get("adapter"):
+        lines.append(f"run: LoRA adapter {record['adapter'].get('path')} (sha256 {record['adapter'].get('sha256')})")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     """List (or export) the activations an eval log's samples captured."""
     import argparse
@@ -353,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
             parser.exit(1, f"error: {err}\n")
     for warning in caught:
         print(f"warning: {warning.message}", file=sys.stderr)
+    for line in describe_run(args.log):
+        print(line)
     for record in records:
         shapes = ", ".join(f"{hook} {tuple(t.shape)}" for hook, t in record.activations.items())
         print(f"sample {record.sample_id!r} epoch {record.epoch} scores {record.scores}: {shapes}")
