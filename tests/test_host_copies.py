@@ -90,3 +90,32 @@ def test_non_finite_rows_fail_their_request_only() -> None:
     positions, kept = b.capture[0].per_token(max_pos=b.prompt_len)
     assert positions == [0, 1, 2, 3]
     torch.testing.assert_close(kept, rows[4:8], rtol=0, atol=0)
+
+
+def test_a_non_finite_row_of_a_later_site_is_found_at_its_own_offset() -> None:
+    """Two hook points: each site's row maxima sit at their own offset in the step's one array, so a
+    NaN in the second site's rows fails the request that owns it, naming that hook and position, and
+    the first site's finite rows at the same offsets fail nothing."""
+    runtime = cpu_hook_runtime(WIDTH, sites=(0, 1))
+    router = StepRouter(runtime, chunk_rows=3)
+    states = []
+    for uid in ("a", "b"):
+        state = RequestState(
+            uid=uid, prompt_len=4, steer=[], capture=[CaptureItem(hook="h0", site=0), CaptureItem(hook="h1", site=1)]
+        )
+        state.capture_scope = Scope.resolve("all", 4)
+        router.admit(state)
+        states.append(state)
+    a, b = states
+    router.begin_step(np.array([0, 1]), np.array([0, 4, 8]), np.array([0, 0]))
+    runtime.sites[0].staging[:8] = torch.randn(8, WIDTH)
+    second = torch.randn(8, WIDTH)
+    second[5, 2] = float("nan")  # b's position 1, at the second site only
+    runtime.sites[1].staging[:8] = second
+    router.end_step()
+    router.drain()
+    assert a.error is None
+    assert b.error == "the activations captured at h1 are not finite (NaN or inf) at position 1"
+    positions, kept = a.capture[1].per_token(max_pos=4)
+    assert positions == [0, 1, 2, 3]
+    torch.testing.assert_close(kept, second[:4], rtol=0, atol=0)

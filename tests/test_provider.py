@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -547,3 +548,23 @@ def test_the_provider_turns_a_tool_call_reply_into_an_assistant_message(provider
     assert message.tool_calls and message.tool_calls[0].function == "add" and message.text == ""
     plain = api._assistant_message("Paris.", [add])
     assert plain.tool_calls is None and plain.text == "Paris."
+
+
+def test_a_samples_capture_replaces_the_run_wide_one_and_interventions_stack(provider_args, tiny_llama_dir, tmp_path):
+    """Run-wide capture of HOOK and steering at layer 0; one sample asks for its own capture and adds
+    its own steering: that sample stores only its hook point and applies both interventions, the
+    other sample the run-wide ones alone."""
+    from inspect_tl_vllm import activations
+
+    run_wide = {"interventions": [{"hook": "blocks.0.hook_resid_post", "op": "scale", "coef": 1.5}]}
+    own = steer_meta(3)
+    own["tlvllm"]["capture"] = {"hooks": ["blocks.0.hook_resid_pre"], "reduce": "none"}
+    samples = [Sample(id="own", input=QUESTIONS[0], metadata=own), Sample(id="run", input=QUESTIONS[1])]
+    args = {**provider_args, "steer": json.dumps(run_wide)}
+    log = run_eval(tiny_llama_dir, args, samples, tmp_path)
+    assert log.status == "success", log.error
+    records = {r.sample_id: r for r in activations.load(log)}
+    assert set(records["own"].activations) == {"blocks.0.hook_resid_pre"}
+    assert set(records["run"].activations) == {HOOK}
+    applied = {s.id: s.output.metadata["tlvllm"]["applied"]["interventions"] for s in log.samples}
+    assert [i["coef"] for i in applied["own"]] == [1.5, 8.0] and [i["coef"] for i in applied["run"]] == [1.5]
