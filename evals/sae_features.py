@@ -35,6 +35,7 @@ def sae_features(
     feature: int = 0,
     op: str = "add",
     control_seed: int | None = None,
+    control_kind: str = "gauss",
     layer: int | None = None,
     sae: str = str(SAE),
     top_k: int = 8,
@@ -42,7 +43,8 @@ def sae_features(
 ) -> Task:
     """One point: feature ``feature`` of ``sae`` steered with ``op`` (add or clamp) and ``coef``,
     or with ``control_seed`` a random direction of its decoder row's norm added instead.  ``layer``
-    is taken for ``tl-vllm sweep`` and must be the SAE's own."""
+    is taken for ``tl-vllm sweep`` and must be the SAE's own.  A feature has no contrastive pairs, so
+    its controls are uniformly random directions only (``control_kind`` gauss)."""
     from inspect_tl_vllm.research.controls import random_like_vector
     from inspect_tl_vllm.specs import SpecError, parse_hook_point
     from inspect_tl_vllm.vectors.sae import load_sae
@@ -52,6 +54,8 @@ def sae_features(
     sae_layer, _ = parse_hook_point(loaded.hook)
     if layer is not None and layer != sae_layer:
         raise SpecError(f"sae_features: layer {layer} is not the SAE's ({loaded.hook}); sweep with --layer {sae_layer}")
+    if control_kind != "gauss":
+        raise SpecError(f"sae_features: control kind {control_kind!r}: an SAE feature's controls are 'gauss' only")
     if control_seed is not None:
         direction = random_like_vector(loaded.decoder_row(feature, "sae_features: feature"), control_seed)
         intervention = {"hook": loaded.hook, "vector": direction, "coef": coef}

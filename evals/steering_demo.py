@@ -59,18 +59,20 @@ def steering_sweep(
     coef: float = 1.0,
     layer: int = 12,
     control_seed: int | None = None,
+    control_kind: str = "gauss",
     vector: str = str(VECTOR),
     max_tokens: int = 40,
 ) -> Task:
-    """One point of a sweep: the vector (or, with control_seed, a random direction of the same
-    norm) added at blocks.{layer}.hook_resid_post with coefficient ``coef``.  Scored twice: does
+    """One point of a sweep: the vector (or, with control_seed, a control direction of the same
+    norm, of ``control_kind``: see ``research/controls.py``) added at blocks.{layer}.hook_resid_post
+    with coefficient ``coef``.  Scored twice: does
     the answer talk about the sea, and how fluent is it to the unsteered model.  ``vector`` is a
     file (``path`` or ``path:key``) relative to this file's folder, as Inspect resolves task files."""
     from inspect_tl_vllm.research.controls import random_like
 
     # Inspect builds tasks inside the task file's folder: relative paths are relative to it.
     vector = str(Path(vector).resolve())
-    path = random_like(vector, control_seed) if control_seed is not None else vector
+    path = random_like(vector, control_seed, control_kind) if control_seed is not None else vector
     hook = f"blocks.{layer}.hook_resid_post"
     solver = steer(interventions=[{"hook": hook, "vector": path, "coef": coef}]) if coef else generate()
     return Task(

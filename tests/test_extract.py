@@ -45,6 +45,11 @@ def test_extract_vector_command_matches_engine_captures(tiny_engine, tiny_llama_
         expected = (means[0::2] - means[1::2]).mean(0)
         assert saved[hook].shape == (64,)
         assert float((saved[hook] - expected).norm() / expected.norm()) < 1e-4
+    with safe_open(str(tmp_path / "vec.rows.safetensors"), "pt") as handle:  # for the stronger controls
+        kept = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+    for hook in HOOKS:
+        assert kept[hook].shape == (2 * len(PAIRS), 64)
+        torch.testing.assert_close((kept[hook][0::2] - kept[hook][1::2]).mean(0), saved[hook], rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize(

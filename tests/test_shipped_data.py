@@ -102,3 +102,17 @@ def test_no_two_questions_share_an_input():
     """A repeated question would sit in a probe's training and held-out folds at once."""
     inputs = [row["input"] for row in rows()]
     assert len(set(inputs)) == len(inputs), sorted({q for q in inputs if inputs.count(q) > 1})
+
+
+def test_the_shipped_pair_rows_are_the_rows_of_the_shipped_vector():
+    """The rows behind evals/vectors/smollm2_ocean_pairs_l12 (for covariance and relabel controls) give
+    back the vector: the mean of each pair's positive row less its negative row."""
+    from safetensors.torch import load_file
+
+    vectors = Path(__file__).resolve().parents[1] / "evals" / "vectors"
+    hook = "blocks.12.hook_resid_post"
+    vector = load_file(str(vectors / "smollm2_ocean_pairs_l12.safetensors"))[hook]
+    rows = load_file(str(vectors / "smollm2_ocean_pairs_l12.rows.safetensors"))[hook]
+    pairs = [line for line in (vectors.parent / "data" / "ocean_pairs.jsonl").read_text().splitlines() if line.strip()]
+    assert rows.shape == (2 * len(pairs), vector.numel())
+    assert float(((rows[0::2] - rows[1::2]).mean(0) - vector).abs().max()) < 1e-4

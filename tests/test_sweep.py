@@ -29,7 +29,7 @@ def test_two_vectors_get_their_own_control_directions_for_one_seed(tmp_path, mon
     """Seeded by the source too: with the seed alone, every vector of a width got the same direction."""
     from safetensors.torch import load_file, save_file
 
-    from inspect_tl_vllm.research.controls import DRAW, random_like
+    from inspect_tl_vllm.research.controls import DRAWS, random_like
 
     monkeypatch.setenv("TLVLLM_CACHE", str(tmp_path / "cache"))
     paths = []
@@ -38,7 +38,7 @@ def test_two_vectors_get_their_own_control_directions_for_one_seed(tmp_path, mon
         paths.append(random_like(str(tmp_path / f"{name}.safetensors"), 7))
     a, b = (load_file(path)["vector"] for path in paths)
     assert abs(float(a @ b) / float(a.norm() * b.norm())) < 0.6  # independent draws in 64 dimensions
-    assert all(f"-{DRAW}-seed7." in path for path in paths)  # a cache of another drawing rule is never reused
+    assert all(f"-{DRAWS['gauss']}-seed7." in path for path in paths)  # a cache of another drawing rule is never reused
 
 
 def test_degenerate_outputs_are_flagged():
@@ -271,3 +271,93 @@ def test_steering_less_controls_is_paired_by_question():
     [dose] = dose_responses([unsteered, row])
     assert (dose["layer"], dose["questions"], dose["coefs"]) == (1, 3, [0.0, 2.0])
     assert dose["slope"] == pytest.approx((2 / 3) / 2.0)
+
+
+def _vector_with_rows(tmp_path, pairs: int = 12, width: int = 32):
+    """A vector file and its pairs' rows, as extract-vector writes them: the concept lives in the
+    first coordinate, and the activations vary mostly along the last four."""
+    from safetensors.torch import save_file
+
+    generator = torch.Generator().manual_seed(5)
+    base = torch.randn(2 * pairs, width, generator=generator) * 0.1
+    base[:, -4:] += torch.randn(2 * pairs, 4, generator=generator) * 5  # the directions activations vary in
+    base[0::2, 0] += 3.0  # positives carry the concept
+    vector = (base[0::2] - base[1::2]).mean(0)
+    save_file({"h": vector}, str(tmp_path / "v.safetensors"))
+    save_file({"h": base}, str(tmp_path / "v.rows.safetensors"))
+    return str(tmp_path / "v.safetensors"), vector, base
+
+
+def test_covariance_controls_lie_where_the_activations_vary(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from inspect_tl_vllm.research.controls import random_like
+
+    monkeypatch.setenv("TLVLLM_CACHE", str(tmp_path / "cache"))
+    ref, vector, rows = _vector_with_rows(tmp_path)
+    controls = [load_file(random_like(ref, seed, "covariance"))["vector"] for seed in range(6)]
+    for control in controls:
+        assert torch.isclose(control.norm(), vector.norm())
+        assert float(control[-4:].norm() / control.norm()) > 0.9  # a gauss draw puts about 4/32 of its norm there
+    centred = rows - rows.mean(0)
+    basis = torch.linalg.svd(centred, full_matrices=False).Vh  # the rows' span
+    for control in controls:
+        assert torch.allclose(basis.T @ (basis @ control), control, atol=1e-4)
+    gauss = load_file(random_like(ref, 0))["vector"]
+    assert not torch.allclose(gauss, controls[0]) and "cov-by-source" in random_like(ref, 0, "covariance")
+
+
+def test_relabel_controls_are_the_mean_of_sign_flipped_pair_differences(tmp_path, monkeypatch):
+    from safetensors.torch import load_file
+
+    from inspect_tl_vllm.research.controls import random_like
+
+    monkeypatch.setenv("TLVLLM_CACHE", str(tmp_path / "cache"))
+    ref, vector, rows = _vector_with_rows(tmp_path)
+    differences = rows[0::2] - rows[1::2]
+    for seed in range(4):
+        control = load_file(random_like(ref, seed, "relabel"))["vector"]
+        assert torch.isclose(control.norm(), vector.norm())
+        # some choice of signs gives it: solve for the weights over the pairs' differences
+        weights = torch.linalg.lstsq(differences.T, control[:, None]).solution[:, 0]
+        assert torch.allclose(differences.T @ weights, control, atol=1e-4)
+        assert torch.allclose(weights.abs(), weights.abs()[0].expand_as(weights), rtol=1e-3)  # +-1 each, rescaled
+        cosine = float(control @ vector / (control.norm() * vector.norm()))
+        assert cosine < 0.99  # not the vector itself
+
+
+def test_stronger_controls_need_the_pairs_rows_and_a_known_kind(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from inspect_tl_vllm.research.controls import random_like
+    from inspect_tl_vllm.specs import SpecError
+
+    monkeypatch.setenv("TLVLLM_CACHE", str(tmp_path / "cache"))
+    save_file({"h": torch.randn(16)}, str(tmp_path / "bare.safetensors"))
+    with pytest.raises(SpecError, match="needs the pairs' rows beside the vector .*extract-vector"):
+        random_like(str(tmp_path / "bare.safetensors"), 0, "relabel")
+    with pytest.raises(SpecError, match="control kind 'shuffle': use one of gauss, covariance, relabel"):
+        random_like(str(tmp_path / "bare.safetensors"), 0, "shuffle")
+
+
+def test_a_sweep_passes_its_control_kind_and_a_report_takes_one_kind(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from inspect_tl_vllm.research import sweep
+    from inspect_tl_vllm.specs import SpecError
+
+    points = sweep_points([0.0, 1.0], [3], controls=2, kind="relabel")
+    assert [p.get("control_kind") for p in points] == [None, None, "relabel", "relabel"]
+    assert all("control_kind" not in p for p in sweep_points([1.0], [3], controls=2))  # gauss: tasks need no arg
+
+    def log(**task_args):
+        spec = SimpleNamespace(task_args=task_args, created="2026-12-07")
+        return SimpleNamespace(eval=spec, status="success", samples=[], error=None)
+
+    logs = [log(coef=1.0, layer=3), log(coef=1.0, layer=3, control_seed=1, control_kind="relabel")]
+    monkeypatch.setattr("inspect_ai.log.list_eval_logs", lambda folder: logs)
+    monkeypatch.setattr("inspect_ai.log.read_eval_log", lambda item: item)
+    assert [row.control_kind for row in sweep.collect(str(tmp_path))] == ["relabel"]
+    logs.append(log(coef=1.0, layer=3, control_seed=2))
+    with pytest.raises(SpecError, match="controls of 2 kinds \\(gauss, relabel\\).*its own --log-dir"):
+        sweep.collect(str(tmp_path))

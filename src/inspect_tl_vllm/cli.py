@@ -46,21 +46,23 @@ def _demo(args: argparse.Namespace) -> int:
 
 def _extract_vector(args: argparse.Namespace) -> int:
     from inspect_tl_vllm.engine.api import boot
-    from inspect_tl_vllm.research.extract import extract_vectors, read_pairs, save_vectors
+    from inspect_tl_vllm.research.extract import extract_vectors, read_pairs, rows_path, save_vectors
     from inspect_tl_vllm.specs import SpecError
 
     try:
         pairs = read_pairs(Path(args.pairs))
         print(f"extract-vector: {len(pairs)} pairs from {args.pairs}; booting {args.model}", flush=True)
         engine = boot(args.model, instrument={"hook_points": args.hook}, dtype=args.dtype)
-        vectors = extract_vectors(engine, pairs, args.hook, args.reduce)
-        save_vectors(vectors, Path(args.out), model=args.model, count=len(pairs), reduce=args.reduce)
+        vectors, rows = extract_vectors(engine, pairs, args.hook, args.reduce)
+        save_vectors(vectors, Path(args.out), model=args.model, count=len(pairs), reduce=args.reduce, rows=rows)
     except SpecError as err:
         print(f"extract-vector: {err}", file=sys.stderr)
         return 2
     for hook, vector in vectors.items():
         print(f"extract-vector: {hook} norm {float(vector.norm()):.3f}")
     print(f"extract-vector: saved {len(vectors)} vectors to {args.out} (use 'path:hook' to pick one)")
+    rows_file = rows_path(Path(args.out))
+    print(f"extract-vector: saved the pairs' rows to {rows_file} (for sweeps' covariance and relabel controls)")
     return 0
 
 
@@ -112,8 +114,9 @@ def _sweep(args: argparse.Namespace) -> int:
         return 2
     model_args = _key_values(args.M)
     points = sweep_points(
-        [float(c) for c in args.coef.split(",")], [int(x) for x in args.layer.split(",")], args.controls
-    )
+        [float(c) for c in args.coef.split(",")], [int(x) for x in args.layer.split(",")], args.controls,
+        args.control_kind,
+    )  # fmt: skip
     shared = _key_values(args.T)
     points = [{**shared, **point} for point in points]
     failed = run_sweep(
@@ -196,6 +199,14 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=2,
         help="random directions of the vector's norm, drawn anew at each nonzero coefficient (19 let p reach 0.05)",
+    )
+    sweep.add_argument(
+        "--control-kind",
+        choices=("gauss", "covariance", "relabel"),
+        default="gauss",
+        help="uniformly random directions; from the covariance of the rows the vector was extracted from; or the "
+        "vector re-extracted from its pairs with labels flipped at random (the last two read the rows "
+        "extract-vector saves; the task gets control_kind)",
     )
     sweep.add_argument("--limit", type=int, default=None, help="samples per point")
     sweep.add_argument("-M", action="append", default=[], help="model arg KEY=VALUE (repeatable)")

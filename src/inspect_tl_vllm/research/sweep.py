@@ -20,7 +20,7 @@ from inspect_tl_vllm.research.stats import (
     holm_adjusted,
     mean_interval,
 )
-from inspect_tl_vllm.specs import TAG
+from inspect_tl_vllm.specs import TAG, SpecError
 
 Question = tuple[Any, int]
 """(sample id, epoch): one answer of a sweep point, the unit its paired statistics resample."""
@@ -33,11 +33,13 @@ def control_seed(layer: int, coef: float, index: int) -> int:
     return zlib.crc32(f"{layer}:{coef!r}:{index}".encode())
 
 
-def sweep_points(coefs: list[float], layers: list[int], controls: int) -> list[dict[str, Any]]:
-    """Every steered point, then ``controls`` random directions at each nonzero coefficient."""
+def sweep_points(coefs: list[float], layers: list[int], controls: int, kind: str = "gauss") -> list[dict[str, Any]]:
+    """Every steered point, then ``controls`` control directions of ``kind`` (``controls.KINDS``) at
+    each nonzero coefficient; a kind other than ``gauss`` is passed to the task as ``control_kind``."""
+    extra = {} if kind == "gauss" else {"control_kind": kind}
     points = [{"coef": c, "layer": layer} for layer in layers for c in coefs]
     points += [
-        {"coef": c, "layer": layer, "control_seed": control_seed(layer, c, i)}
+        {"coef": c, "layer": layer, "control_seed": control_seed(layer, c, i), **extra}
         for layer in layers
         for c in coefs
         if c != 0
@@ -155,6 +157,7 @@ class Row:
     coef: float
     steering: Point | None
     controls: list[Point]
+    control_kind: str = "gauss"  # controls.KINDS
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"layer": self.layer, "coef": self.coef}
@@ -183,6 +186,7 @@ class Row:
         means = [c.mean for c in self.controls if c.scores]
         if means:
             out["controls"] = {
+                "kind": self.control_kind,
                 "directions": len(means),
                 "seeds": [c.seed for c in self.controls if c.scores],
                 "scores": means,
@@ -233,6 +237,16 @@ def collect(log_dir: str) -> list[Row]:
     logs.sort(key=lambda log: log.eval.created)  # oldest first: a newer log's sample replaces an older's
     answers: dict[PointKey, dict[Question, tuple[float, list[float], bool, str | None]]] = {}
     failures: dict[PointKey, str] = {}
+    kinds = {
+        (log.eval.task_args or {}).get("control_kind") or "gauss"
+        for log in logs
+        if (log.eval.task_args or {}).get("control_seed") is not None
+    }
+    if len(kinds) > 1:
+        raise SpecError(
+            f"{log_dir} holds controls of {len(kinds)} kinds ({', '.join(sorted(kinds))}): one report compares the "
+            "steering vector with one kind; give each kind's sweep its own --log-dir"
+        )
     for log in logs:
         args = log.eval.task_args or {}
         key: PointKey = (float(args.get("coef", 0.0)), args.get("layer"), args.get("control_seed"))
@@ -262,8 +276,9 @@ def collect(log_dir: str) -> list[Row]:
         if key not in answers:
             point.failed = failures[key]
     rows: dict[tuple[int | None, float], Row] = {}
+    kind = next(iter(kinds), "gauss")
     for (coef, layer, seed), point in sorted(points.items(), key=lambda kv: (kv[0][1] or 0, kv[0][0], kv[0][2] or 0)):
-        row = rows.setdefault((layer, coef), Row(layer, coef, None, []))
+        row = rows.setdefault((layer, coef), Row(layer, coef, None, [], kind))
         if seed is None:
             row.steering = point
         else:
@@ -273,8 +288,10 @@ def collect(log_dir: str) -> list[Row]:
 
 METHOD = (
     "Intervals are 95%: Wilson score intervals for 0/1 scores, percentile bootstrap (10,000 resamples, seed "
-    "0) of the mean otherwise. Controls are random directions with the vector's norm, drawn independently at "
-    "each coefficient (one eval each; seeds in report.json); the "
+    "0) of the mean otherwise. Controls are directions with the vector's norm, drawn independently at each "
+    "coefficient (one eval each; seeds and kind in report.json): uniformly at random (gauss), from the "
+    "covariance of the activations the vector was extracted from (covariance), or the vector extracted again "
+    "from its pairs with their labels flipped at random (relabel); the "
     "control columns give the spread of their mean scores over directions, and p is the one-sided Monte Carlo"
     " p-value (1 + #directions scoring >= steering) / (directions + 1), whose smallest value is 1 / "
     "(directions + 1). Fluency is the unsteered model's mean log-probability per answer token (the fluency() "
@@ -303,7 +320,8 @@ def report(log_dir: str) -> tuple[str, Path]:
         s["p_holm"] = adjusted
     lines = [
         "| layer | coef | n | steering score [95% CI] | fluency [95% CI] | degenerate | "
-        "controls: directions, mean score (min–max) | control fluency | steering − controls, paired [95% CI] | "
+        f"controls ({rows[0].control_kind}): directions, mean score (min–max) | control fluency | "
+        "steering − controls, paired [95% CI] | "
         f"p | p, Holm over {len(tested)} |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
