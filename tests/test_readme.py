@@ -1,4 +1,5 @@
-"""Every Python snippet of the README runs as written (on the real CPU engine) and prints what it says."""
+"""Every Python snippet and command block of the README and the docs/ guides runs as written (on the
+real CPU engine) and prints what it says."""
 
 from __future__ import annotations
 
@@ -20,13 +21,20 @@ pytestmark = pytest.mark.engine
 ROOT = Path(__file__).resolve().parent.parent
 
 
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def _blocks(language: str) -> list[str]:
+    return [code for doc in DOCS for code in re.findall(rf"```{language}\n(.*?)```", doc.read_text(), flags=re.DOTALL)]
+
+
 def python_snippets() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
+    return _blocks("python")
 
 
 def snippet(marker: str) -> str:
     found = [code for code in python_snippets() if marker in code]
-    assert len(found) == 1, f"one README snippet should contain {marker!r}"
+    assert len(found) == 1, f"one snippet of the README or docs/ should contain {marker!r}"
     return found[0]
 
 
@@ -74,7 +82,7 @@ def test_activations_load_snippet(vllm_ready, tiny_llama_dir, tmp_path):
             task, model=f"tl-vllm/{tiny_llama_dir}", model_args=args, log_dir=str(tmp_path / "logs"), display="none"
         )[0]
     assert log.status == "success"
-    out = run_snippet(snippet("activations.load("), tmp_path, tmp_path / "script")
+    out = run_snippet(snippet("print(r.sample_id, r.epoch, r.scores"), tmp_path, tmp_path / "script")
     assert sorted(out.strip().splitlines()) == [
         "q1 1 {} {'blocks.1.hook_resid_post': (1, 64)}",
         "q2 1 {} {'blocks.1.hook_resid_post': (1, 64)}",
@@ -82,9 +90,8 @@ def test_activations_load_snippet(vllm_ready, tiny_llama_dir, tmp_path):
 
 
 def bash_lines(marker: str) -> list[str]:
-    blocks = re.findall(r"```bash\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
-    found = [block for block in blocks if marker in block]
-    assert len(found) == 1, f"one README bash block should contain {marker!r}"
+    found = [block for block in _blocks("bash") if marker in block]
+    assert len(found) == 1, f"one bash block of the README or docs/ should contain {marker!r}"
     return [line.split("#")[0].strip() for line in found[0].strip().splitlines()]
 
 

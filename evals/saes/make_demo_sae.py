@@ -1,4 +1,4 @@
-"""Write the demonstration SAE that ``evals/sae_features.py`` and the README use.
+"""Write the demonstration SAE that ``evals/sae_features.py`` and docs/RESEARCH.md use.
 
     python evals/saes/make_demo_sae.py      # writes evals/saes/smollm2_l12_demo/
 

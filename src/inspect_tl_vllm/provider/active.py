@@ -57,4 +57,4 @@ def supported_inspect() -> str:
     for requirement in requires("inspect-tl-vllm") or []:
         if requirement.replace("_", "-").lower().startswith("inspect-ai") and "extra ==" not in requirement:
             return requirement.split(";")[0].strip()
-    return "inspect-ai (see the README)"
+    return "inspect-ai (see docs/INSTALL.md)"
