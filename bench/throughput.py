@@ -65,7 +65,7 @@ state, boot times, KV-cache size and the instrumentation's buffer memory and hos
 recorded with the numbers, and so is what was generated: a random-weight model's tokens are
 arbitrary, and ids past the tokenizer's vocabulary (the 8B shape has 128,256 ids, SmolLM2's
 tokenizer 49,152) cost the front end's detokenizer more than known ones
-(``diagnostics/detok_cost.py``: 3 to 6 times as much per token when one such id repeats), so
+(measured: 3 to 6 times as much per token when one such id repeats), so
 each run records the share of such ids.  ``--no-detokenize`` leaves detokenizing out for every variant.
 
 ``--py-spy BIN`` samples the instrumented engine's core process and its front-end process
