@@ -211,9 +211,8 @@ def header_bytes(header: dict[str, Any]) -> bytes:
 def load_mapped(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a file ``save_file`` wrote, as views of a private memory map of it.
 
-    ``safetensors.torch.load_file`` maps the file too, but spends about 15 µs on each tensor
-    it makes: 0.5 ms for a request's 33 hook points, 0.1 s per 256 requests; views of one map
-    cost a quarter of that (measured on /dev/shm).  The map is copy-on-write, so the tensors
+    ``safetensors.torch.load_file`` maps the file too, but builds each tensor on its own, which
+    adds up over a request's dozens of hook points; views of one map cost a fraction of that.  The map is copy-on-write, so the tensors
     can be changed without touching the file, and it lives as long as any of them (deleting
     the file does not end it).
     """

@@ -174,10 +174,8 @@ def early_writes() -> bool:
 def writer_threads() -> int:
     """How many threads write prompt captures out early: ``TLVLLM_WRITER_THREADS``, else one.
 
-    Every time a writer takes the GIL back, the step loop may have to wait for it.  On an H200
-    with the 8B shape, capturing every layer's prompt rows kept 0.914 of vanilla's throughput
-    with one writer and 0.712 with four, while one writer still finished within 0.1-0.2 s of the
-    last request (docs/BENCHMARKS.md).  More threads only help when a single one cannot keep up
-    with the captures."""
+    Every time a writer takes the GIL back, the step loop may have to wait for it, so each added
+    writer slows generation; one keeps up with every layer's prompt rows of an 8B model
+    (docs/BENCHMARKS.md).  More threads only help when a single one cannot keep up."""
     value = os.environ.get("TLVLLM_WRITER_THREADS", "")
     return int(value) if value.isdigit() and int(value) > 0 else 1

@@ -9,8 +9,8 @@ byte budget.
 The copies go into pinned blocks of at most ``HOST_CHUNK_BYTES`` each.  Torch's pinned host
 pool caches blocks by power-of-two size and never splits one, so copies of whole prefill
 steps (a different size every step, up to 128 MiB per site for an 8B model) leave cached
-blocks of the wrong sizes idle while the pool makes new ones, and making them is slow (on an
-H200, 66 new blocks cost an 8B model 2.6 s of its step loop).  In fixed chunks every large
+blocks of the wrong sizes idle while the pool makes new ones, and making them is slow (each
+stalls the step loop).  In fixed chunks every large
 copy reuses the same blocks, and the pool grows only when more rows are held at once than
 before.  Rows kept past landing are copied once more, to pageable memory, so that the pinned
 blocks go back to the pool.

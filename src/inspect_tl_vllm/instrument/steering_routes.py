@@ -1,10 +1,10 @@
 """Steering tables expanded on the device, so that a step costs the host O(requests that changed).
 
-A hook reads one table row per token (``runtime.py``).  Building those rows on the host meant
-numpy work over every steered row and a copy per site on every step, and at 1-2B parameters,
-where a decode step is ~5 ms and vLLM's own host work fills most of it, that was most of what
-steering cost.  Here each steered request's stages are written to the device once, when it is
-admitted, into tables indexed by request slot: per site table and stage, the stage's eight
+A hook reads one table row per token (``runtime.py``).  For small models a decode step leaves the
+host little time beside vLLM's own work, so those rows are not built on the host, which would
+mean numpy work over every steered row and a copy per site on every step.  Instead each steered
+request's stages are written to the device once, when it is admitted, into tables indexed by
+request slot: per site table and stage, the stage's eight
 numbers, the range of positions it covers (or a listed-positions id) and the receipt slot its
 rows count toward.  Before a step the router hands over each token row's request slot and
 position, both on the device (vLLM computes the positions there anyway), and a few gathers
