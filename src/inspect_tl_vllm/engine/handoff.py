@@ -212,9 +212,9 @@ def load_mapped(path: Path) -> dict[str, torch.Tensor]:
     """The tensors of a file ``save_file`` wrote, as views of a private memory map of it.
 
     ``safetensors.torch.load_file`` maps the file too, but builds each tensor on its own, which
-    adds up over a request's dozens of hook points; views of one map cost a fraction of that.  The map is copy-on-write, so the tensors
-    can be changed without touching the file, and it lives as long as any of them (deleting
-    the file does not end it).
+    adds up over a request's dozens of hook points; views of one map cost a fraction of that.
+    The map is copy-on-write, so the tensors can be changed without touching the file, and it
+    lives as long as any of them (deleting the file does not end it).
     """
     with open(path, "rb") as file:
         size = os.fstat(file.fileno()).st_size
