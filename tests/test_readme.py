@@ -50,8 +50,20 @@ def run_snippet(code: str, cwd: Path, folder: Path) -> str:
     return done.stdout
 
 
-def test_every_python_snippet_is_covered_here():
-    assert len(python_snippets()) == 4
+def test_every_python_snippet_is_run_by_a_test_here():
+    """Each snippet of the README and docs/ holds the marker of exactly one ``snippet(...)`` call of
+    this file, so a snippet added without a test, or one whose marker no longer finds it, fails."""
+    import ast
+
+    markers = [
+        node.args[0].value
+        for node in ast.walk(ast.parse(Path(__file__).read_text()))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "snippet" and node.args
+        and isinstance(node.args[0], ast.Constant)
+    ]  # fmt: skip
+    for code in python_snippets():
+        found = [marker for marker in markers if marker in code]
+        assert len(found) == 1, f"no test (or more than one) runs this snippet:\n{code[:300]}"
 
 
 def test_head_ablation_snippet(smollm2_dir, vllm_ready, tmp_path):
