@@ -2,7 +2,10 @@
 
 ``additional_config`` is serialised to every worker (local processes, Ray actors on other
 nodes) and is part of the config hash that keys vLLM's compile cache, so a graph compiled
-without hooks, or with an older version of the hook code, is never reused.
+without hooks, or with other hook code, is never reused.  The hash covers only the code that
+ends up in the compiled graph (``GRAPH_CODE``): the hooks and their custom op, the kernel it
+launches, which modules get hooks, and the plugin's replacement of vLLM ops on the CPU.  Host
+code (routing, copies, receipts, the front end) can change without throwing compiled graphs away.
 """
 
 from __future__ import annotations
@@ -13,13 +16,22 @@ from typing import Any
 
 from inspect_tl_vllm.specs import TAG, InstrumentConfig
 
+PACKAGE = Path(__file__).resolve().parent.parent
+GRAPH_CODE = (
+    "instrument/runtime.py",
+    "instrument/site_op.py",
+    "instrument/site_kernel.py",
+    "instrument/hookpoints.py",
+    "engine/plugin.py",
+)
+"""The package's files whose code torch.compile traces into the model, or that decide what it traces."""
 
-def hook_code_version() -> str:
-    """Hash of the code that torch.compile traces into the model (salts the compile cache)."""
-    root = Path(__file__).resolve().parent.parent / "instrument"
+
+def hook_code_version(package: Path = PACKAGE) -> str:
+    """Hash of ``GRAPH_CODE`` (salts the compile cache)."""
     digest = hashlib.sha256()
-    for path in sorted(root.glob("*.py")):
-        digest.update(path.read_bytes())
+    for name in GRAPH_CODE:
+        digest.update(name.encode() + b"\0" + (package / name).read_bytes())
     return digest.hexdigest()[:16]
 
 
