@@ -6,8 +6,12 @@ torch and vLLM load only when a ``tl-vllm/...`` model is actually used.
 
 from inspect_ai.model import ModelAPI, modelapi
 
+PROVIDER_NAME = "tl-vllm"
+MODEL_PREFIX = f"{PROVIDER_NAME}/"
+"""How Inspect names a model of this provider: ``tl-vllm/<model>``."""
 
-@modelapi(name="tl-vllm")
+
+@modelapi(name=PROVIDER_NAME)
 def tl_vllm() -> type[ModelAPI]:
     from inspect_tl_vllm.provider.api import TLVLLMAPI
 

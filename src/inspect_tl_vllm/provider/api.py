@@ -35,7 +35,7 @@ from inspect_tl_vllm.engine import lifecycle
 from inspect_tl_vllm.engine.construct import InstrumentedLLM, cpu_defaults
 from inspect_tl_vllm.engine.exits import why_engine_died
 from inspect_tl_vllm.engine.frontend import CaptureResult, PreparedRequest, sampling_fields, vllm_prompt
-from inspect_tl_vllm.provider import carry_over as _carry_over  # noqa: F401 (registers the eval-retry hook)
+from inspect_tl_vllm.provider import carry_over, run_record, sample_spec  # noqa: F401 (each registers its Inspect hook)
 from inspect_tl_vllm.provider.active import ActiveSample, active_sample
 from inspect_tl_vllm.provider.engine_pool import EngineThread, shared_engine
 from inspect_tl_vllm.provider.generate_config import config_sampling, per_request

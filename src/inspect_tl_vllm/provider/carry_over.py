@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 from inspect_ai.hooks import Hooks, TaskEnd, hooks
 from inspect_ai.log import EvalLog, EvalSample
 
+from inspect_tl_vllm._registry import MODEL_PREFIX
 from inspect_tl_vllm.specs import TAG, SpecError
 from inspect_tl_vllm.store.folders import Folder, is_url, local_path
 from inspect_tl_vllm.store.layout import (
@@ -42,7 +43,6 @@ from inspect_tl_vllm.store.layout import (
 from inspect_tl_vllm.store.shards import close_writer, is_shard_entry, upload_spooled
 
 logger = logging.getLogger(__name__)
-PROVIDER = "tl-vllm/"
 T = TypeVar("T")
 
 
@@ -59,7 +59,7 @@ class CarryOverActivations(Hooks):
 
 def finish(log: EvalLog) -> None:
     """At the end of an eval: upload its spooled shards, then carry activations over."""
-    if not log.location or not log.eval.model.startswith(PROVIDER):
+    if not log.location or not log.eval.model.startswith(MODEL_PREFIX):
         return
     directory = activations_dir_for(log.location, log.eval.eval_id, log.eval.model_args.get("activations_dir"))
     try:
@@ -76,7 +76,7 @@ def carry_over(log: EvalLog) -> int:
     under this sample.  A sample whose file cannot be found, or whose recorded folder or file name
     is refused, is left out with a warning (its entry would be missing anyway); the eval itself
     never fails here."""
-    if not log.location or not log.eval.model.startswith(PROVIDER):
+    if not log.location or not log.eval.model.startswith(MODEL_PREFIX):
         return 0
     override = log.eval.model_args.get("activations_dir")
     directory = activations_dir_for(log.location, log.eval.eval_id, override)

@@ -23,12 +23,12 @@ from typing import Any
 from inspect_ai.hooks import Hooks, TaskEnd, hooks
 from inspect_ai.log import EvalLog
 
+from inspect_tl_vllm._registry import MODEL_PREFIX, PROVIDER_NAME
 from inspect_tl_vllm.provider.model_args import ProviderSettings
 from inspect_tl_vllm.specs import TAG
 
 logger = logging.getLogger(__name__)
-PROVIDER = "tl-vllm/"
-AUTHOR = "tl-vllm"
+AUTHOR = PROVIDER_NAME
 _records: dict[str, dict[str, Any]] = {}
 _lock = threading.Lock()
 
@@ -99,7 +99,7 @@ def add_run_record(log: EvalLog) -> bool:
     Never fails the eval: a log it cannot rewrite keeps its per-call records and gets a warning."""
     from inspect_ai.log import MetadataEdit, ProvenanceData, edit_eval_log, read_eval_log, write_eval_log
 
-    if not log.location or not log.eval.model.startswith(PROVIDER):
+    if not log.location or not log.eval.model.startswith(MODEL_PREFIX):
         return False
     record = recorded(log.eval.eval_id)
     if record is None:

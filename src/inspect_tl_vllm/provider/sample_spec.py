@@ -25,10 +25,10 @@ from typing import Any
 
 from inspect_ai.hooks import BeforeModelGenerate, Hooks, hooks
 
+from inspect_tl_vllm._registry import MODEL_PREFIX
 from inspect_tl_vllm.provider.active import active_sample
 from inspect_tl_vllm.specs import TAG, SpecError, parse_request_spec
 
-PROVIDER_PREFIX = "tl-vllm/"
 METADATA_KEY = "tlvllm_metadata"
 """``extra_body`` key that carries the sample's ``metadata["tlvllm"]`` (``extra_body["tlvllm"]``
 stays the solver's and the user's own)."""
@@ -63,7 +63,7 @@ def named_file_digests(extra_body: dict[str, Any]) -> dict[str, Any]:
 )
 class SampleSteering(Hooks):
     async def on_before_model_generate(self, data: BeforeModelGenerate) -> None:
-        if not data.model_name.startswith(PROVIDER_PREFIX):
+        if not data.model_name.startswith(MODEL_PREFIX):
             return
         active = active_sample()
         spec = (active.sample.metadata or {}).get(TAG) if active is not None else None
