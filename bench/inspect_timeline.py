@@ -47,10 +47,10 @@ def instrument() -> None:
 
     mark("inspect_ai imported")
     from inspect_tl_vllm.engine import construct
-    from inspect_tl_vllm.provider import api, engine_pool
+    from inspect_tl_vllm.provider import engine_pool, model_api
 
     mark("provider imported")
-    api.TLVLLMAPI.__init__ = timed("model constructor", api.TLVLLMAPI.__init__)
+    model_api.TLVLLMAPI.__init__ = timed("model constructor", model_api.TLVLLMAPI.__init__)
     construct.model_config = timed("hf config", construct.model_config)
     build = construct.construct_instrumented_llm
 
@@ -68,14 +68,14 @@ def instrument() -> None:
         return result
 
     engine_pool.construct_instrumented_llm = construct_with_marks
-    generate = api.TLVLLMAPI.generate
+    generate = model_api.TLVLLMAPI.generate
 
     @functools.wraps(generate)
     async def first_call(self: Any, *args: Any, **kwargs: Any) -> Any:
         mark("first model call")
         return await generate(self, *args, **kwargs)
 
-    api.TLVLLMAPI.generate = first_call
+    model_api.TLVLLMAPI.generate = first_call
 
 
 def main() -> None:

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from inspect_tl_vllm.engine.worker import batch_indices
-from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope, SteerItem
+from inspect_tl_vllm.instrument.request_state import CaptureItem, RequestState, Scope, SteerItem
 from inspect_tl_vllm.instrument.routing import StepRouter
 from inspect_tl_vllm.instrument.runtime import HookRuntime
 from inspect_tl_vllm.wire import FeaturesWire

@@ -17,7 +17,7 @@ on a local temporary folder (``LocalFolder``: a file per sample plus one ``index
 Phases, each on a freshly started s3fs client (its instance cache cleared, so no listing is served
 from an earlier phase's cache; starting the client is timed apart as ``client_start_s``):
 
-- **write**: N ``write_sample`` calls made as the provider makes them (``provider/api.py``
+- **write**: N ``write_sample`` calls made as the provider makes them (``provider/model_api.py``
   ``_record``: ``activations_dir_for`` per sample, ``check_writable`` once per folder, then
   ``write_sample`` and ``record_dir``), one after another; wall time, rate, p50/p99 latency;
 - **read index**: ``read_index(folder)`` (remotely one listing of ``index/``, 1000 keys a page, then
@@ -238,7 +238,7 @@ class Store:
         """The activations folder for a log, on a freshly started client (remotely: s3fs's instance
         cache cleared, so nothing an earlier phase listed is served from its cache), and how long
         starting that client took."""
-        from inspect_tl_vllm.store.layout import activations_dir_for
+        from inspect_tl_vllm.store.sample_store import activations_dir_for
 
         started = time.perf_counter()
         if self.server is not None:
@@ -310,7 +310,7 @@ def phase_write(store: Store, args: argparse.Namespace) -> dict[str, Any]:
 
 def phase_read_index(store: Store, args: argparse.Namespace) -> dict[str, Any]:
     """``read_index`` of the whole folder: what every reader pays before its first sample."""
-    from inspect_tl_vllm.store.layout import read_index
+    from inspect_tl_vllm.store.sample_store import read_index
 
     folder, client_start = store.open()
     out: dict[str, Any] = {"client_start_s": client_start}
@@ -326,7 +326,7 @@ def phase_read_one(store: Store, args: argparse.Namespace, target: str, via: str
     from safetensors.torch import load
 
     from inspect_tl_vllm.store.folders import REMOTE_INDEX
-    from inspect_tl_vllm.store.layout import read_index, read_sample, sample_file_name
+    from inspect_tl_vllm.store.sample_store import read_index, read_sample, sample_file_name
 
     runs: list[dict[str, Any]] = []
     for _ in range(args.repeats):
@@ -374,7 +374,7 @@ def phase_read_all(store: Store, args: argparse.Namespace) -> tuple[dict[str, An
     """Every sample through the storage reader, verified, one after another; also returns the index."""
     import torch
 
-    from inspect_tl_vllm.store.layout import SampleReader, read_index, read_sample
+    from inspect_tl_vllm.store.sample_store import SampleReader, read_index, read_sample
 
     folder, client_start = store.open()
     out: dict[str, Any] = {"client_start_s": client_start}
@@ -398,7 +398,7 @@ def phase_read_all(store: Store, args: argparse.Namespace) -> tuple[dict[str, An
 def phase_carry(store: Store, args: argparse.Namespace, entries: list[dict[str, Any]]) -> dict[str, Any]:
     """``link_sample`` of the first ``--carry`` samples into a later eval's folder (``eval-retry``);
     with shards, ``link_shard`` once per shard holding them, as ``carry_over`` does."""
-    from inspect_tl_vllm.store.layout import link_sample, link_shard, read_index
+    from inspect_tl_vllm.store.sample_store import link_sample, link_shard, read_index
 
     source, _ = store.open()
     target, client_start = store.open(RETRY_LOG_NAME, RETRY_EVAL_ID)

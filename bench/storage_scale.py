@@ -8,7 +8,7 @@ about N MiB with an index per shard (``--shard-mb N``), cost when an eval has 10
 samples. It writes N synthetic samples (ids ``s000001``..., epoch 1; by default a pooled capture of
 two hook points at SmolLM2's width) through exactly the calls the provider makes for a sample
 (``activations_dir_for``, ``Folder.check_writable`` once, ``write_sample``, ``record_dir``; see
-``provider/api.py`` ``_record``), then measures:
+``provider/model_api.py`` ``_record``), then measures:
 
 - **write**: wall time, rate, latency percentiles per sample and the rate per tenth of the run (does
   a write slow down as the folder fills?), peak RSS;
@@ -103,7 +103,7 @@ def rss_bytes() -> int:
 
 def folders(root: Path) -> tuple[str, Path]:
     """The log location and the activations folder the provider would use for it (its default)."""
-    from inspect_tl_vllm.store.layout import activations_dir_for
+    from inspect_tl_vllm.store.sample_store import activations_dir_for
 
     location = str(root / LOG_NAME)
     return location, activations_dir_for(location, EVAL_ID, None).path
@@ -124,7 +124,7 @@ def write_as_provider(
     (``activations_dir_for``, ``Folder.check_writable`` once per folder, ``write_sample`` into a
     shard when ``shard_mb`` is set, ``record_dir``); returns its index entry. With shards, the
     caller finishes them with ``close_writer`` as the provider's task-end hook does."""
-    from inspect_tl_vllm.store.layout import activations_dir_for, record_dir, write_sample
+    from inspect_tl_vllm.store.sample_store import activations_dir_for, record_dir, write_sample
     from inspect_tl_vllm.store.shards import writer_for
 
     directory = activations_dir_for(location, eval_id, None)
@@ -176,7 +176,7 @@ def phase_write(args: argparse.Namespace) -> dict[str, Any]:
         if args.progress and index % max(1, args.samples // 10) == 0:
             print(f"  wrote {index}/{args.samples} ({time.perf_counter() - started:.1f} s)", file=sys.stderr)
     if args.shard_mb:
-        from inspect_tl_vllm.store.layout import activations_dir_for
+        from inspect_tl_vllm.store.sample_store import activations_dir_for
         from inspect_tl_vllm.store.shards import close_writer
 
         close_writer(activations_dir_for(location, EVAL_ID, None))
@@ -207,7 +207,7 @@ def phase_read_one(args: argparse.Namespace) -> dict[str, Any]:
     """One sample by id, the way a fresh process gets it: through the index, or by its derived file name."""
     import torch
 
-    from inspect_tl_vllm.store.layout import read_index, read_sample, sample_file_name
+    from inspect_tl_vllm.store.sample_store import read_index, read_sample, sample_file_name
 
     imported = time.perf_counter()
     _, directory = folders(Path(args.dir))
@@ -248,7 +248,7 @@ def phase_read_all(args: argparse.Namespace) -> dict[str, Any]:
     """Every tensor through the storage layer's reader, streaming: only one sample's tensors live at a time."""
     import torch
 
-    from inspect_tl_vllm.store.layout import SampleReader, read_index, read_sample
+    from inspect_tl_vllm.store.sample_store import SampleReader, read_index, read_sample
 
     rss_after_imports = rss_bytes()
     _, directory = folders(Path(args.dir))
@@ -282,7 +282,7 @@ def eval_log(args: argparse.Namespace, location: str) -> Any:
     from inspect_ai.model import ModelOutput
     from inspect_ai.scorer import Score
 
-    from inspect_tl_vllm.store.layout import STORED_KEYS, read_index
+    from inspect_tl_vllm.store.sample_store import STORED_KEYS, read_index
 
     _, directory = folders(Path(args.dir))
     stored = {entry["sample_id"]: entry for entry in read_index(directory)}
@@ -546,7 +546,7 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
             say("writing the .eval log (Inspect's write_eval_log)", file=sys.stderr)
             result["eval_file"] = run_phase(args, "write-log")
         target = sample_id((args.samples + 1) // 2)
-        from inspect_tl_vllm.store.layout import sample_file_name
+        from inspect_tl_vllm.store.sample_store import sample_file_name
 
         if args.shard_mb:  # the sample's shard is not known before its index is read: evict them all
             files = sorted(path for path in directory.rglob("*") if path.is_file())

@@ -481,7 +481,7 @@ def store_outputs(outputs: list[Any], location: str) -> dict[str, Any]:
     from concurrent.futures import ThreadPoolExecutor
 
     from inspect_tl_vllm.store.folders import folder_at
-    from inspect_tl_vllm.store.layout import write_sample
+    from inspect_tl_vllm.store.sample_store import write_sample
     from inspect_tl_vllm.store.shards import close_writer, writer_for
 
     folder = folder_at(location)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from inspect_tl_vllm.instrument.plans import RequestState
+from inspect_tl_vllm.instrument.request_state import RequestState
 from inspect_tl_vllm.instrument.routing import StepRouter
 
 Batch = list[tuple[RequestState | None, int, int]]

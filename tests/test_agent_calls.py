@@ -28,7 +28,7 @@ def three_turns():
 
 def test_each_turn_of_a_dialogue_keeps_its_capture(vllm_ready, tiny_llama_dir, tmp_path):
     from inspect_tl_vllm.store import activations
-    from inspect_tl_vllm.store.layout import read_index
+    from inspect_tl_vllm.store.sample_store import read_index
 
     pytest.importorskip("pyarrow")
     args = {**PROVIDER_ARGS, "capture": HOOK, "capture_reduce": "none"}
@@ -90,7 +90,7 @@ def test_a_one_token_answer_gives_an_empty_capture_of_generated_tokens(tiny_engi
 
 
 def test_scopes_know_whether_an_answer_reached_them():
-    from inspect_tl_vllm.instrument.plans import Scope
+    from inspect_tl_vllm.instrument.request_state import Scope
 
     assert not Scope.resolve("generated", 5).reaches(4) and Scope.resolve("generated", 5).reaches(5)
     assert Scope.resolve([7, 9], 5).reaches(7) and not Scope.resolve([7, 9], 5).reaches(6)

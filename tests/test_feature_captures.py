@@ -13,7 +13,7 @@ from safetensors.torch import load
 from conftest import cpu_hook_runtime
 from inspect_tl_vllm.engine.packing import ResultPacker
 from inspect_tl_vllm.instrument import feature_captures
-from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope
+from inspect_tl_vllm.instrument.request_state import CaptureItem, RequestState, Scope
 from inspect_tl_vllm.instrument.routing import StepRouter
 from inspect_tl_vllm.specs import sae_keys
 from inspect_tl_vllm.wire import FeaturesWire

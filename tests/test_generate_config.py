@@ -38,7 +38,7 @@ STEER = _steer_spec()
 
 @pytest.fixture(scope="module")
 def api(vllm_ready, tiny_llama_dir):
-    from inspect_tl_vllm.provider.api import TLVLLMAPI
+    from inspect_tl_vllm.provider.model_api import TLVLLMAPI
 
     with provider_model_args() as args:
         yield TLVLLMAPI(str(tiny_llama_dir), **args)

@@ -13,7 +13,7 @@ import torch
 
 from conftest import cpu_hook_runtime
 from inspect_tl_vllm.instrument.host_copies import pieces as _pieces
-from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope
+from inspect_tl_vllm.instrument.request_state import CaptureItem, RequestState, Scope
 from inspect_tl_vllm.instrument.routing import StepRouter
 
 WIDTH = 4

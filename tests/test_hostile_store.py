@@ -34,7 +34,7 @@ from inspect_tl_vllm import activations
 from inspect_tl_vllm.specs import TAG
 from inspect_tl_vllm.store.activations import SkippedRecordWarning
 from inspect_tl_vllm.store.folders import INDEX, folder_at
-from inspect_tl_vllm.store.layout import activations_dir_for, read_index, write_sample
+from inspect_tl_vllm.store.sample_store import activations_dir_for, read_index, write_sample
 from inspect_tl_vllm.store.shards import ShardWriter
 
 HOOK = "blocks.0.hook_resid_post"

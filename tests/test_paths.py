@@ -20,7 +20,14 @@ from inspect_ai.model import ModelOutput
 from conftest import eval_spec
 from inspect_tl_vllm.provider.carry_over import carry_over
 from inspect_tl_vllm.specs import TAG
-from inspect_tl_vllm.store.layout import INDEX, UnsafePathError, link_sample, read_index, read_sample, write_sample
+from inspect_tl_vllm.store.sample_store import (
+    INDEX,
+    UnsafePathError,
+    link_sample,
+    read_index,
+    read_sample,
+    write_sample,
+)
 
 HOOK = "blocks.0.hook_resid_post"
 PRECIOUS = b"precious: must not change"

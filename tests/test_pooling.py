@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import cpu_hook_runtime
-from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope, SteerItem, finish_pooled
+from inspect_tl_vllm.instrument.request_state import CaptureItem, RequestState, Scope, SteerItem, finish_pooled
 from inspect_tl_vllm.instrument.routing import StepRouter
 from random_traffic import Rows, random_walk
 

@@ -30,7 +30,7 @@ from inspect_tl_vllm.research.probes import (
     training_indices,
 )
 from inspect_tl_vllm.specs import TAG, SpecError
-from inspect_tl_vllm.store.layout import UnsafePathError, write_sample
+from inspect_tl_vllm.store.sample_store import UnsafePathError, write_sample
 
 
 def test_probe_learns_a_planted_direction(tmp_path):

@@ -177,7 +177,7 @@ def test_hostile_sample_specs_fail_alone_and_the_engine_keeps_serving(provider_a
 
 
 def test_cache_key_names_the_run_wide_steering(provider_args, tiny_llama_dir, tmp_path):
-    from inspect_tl_vllm.provider.api import TLVLLMAPI
+    from inspect_tl_vllm.provider.model_api import TLVLLMAPI
 
     vector = tmp_path / "v.npy"
     import numpy as np
@@ -248,7 +248,7 @@ def test_chat_rendering_continues_a_final_assistant_message_and_refuses_tools(pr
     from inspect_ai.tool import ToolInfo, ToolParams
 
     from inspect_tl_vllm import SpecError
-    from inspect_tl_vllm.provider.api import TLVLLMAPI
+    from inspect_tl_vllm.provider.model_api import TLVLLMAPI
 
     api = TLVLLMAPI(str(tiny_llama_dir), **provider_args)
     messages = [
@@ -297,7 +297,7 @@ def test_tools_a_chat_template_cannot_render_fail_before_the_engine_boots(provid
 
 def test_unknown_model_arg_is_named(tiny_llama_dir):
     from inspect_tl_vllm import SpecError
-    from inspect_tl_vllm.provider.api import TLVLLMAPI
+    from inspect_tl_vllm.provider.model_api import TLVLLMAPI
 
     with pytest.raises(SpecError, match="unknown model args \\['max_len'\\]"):
         TLVLLMAPI(str(tiny_llama_dir), max_len=5)
@@ -316,7 +316,7 @@ def test_concurrent_first_requests_boot_one_engine(provider_args, tiny_llama_dir
 
 def test_eager_boot_starts_the_engine_before_any_request(provider_args, tiny_llama_dir):
     from inspect_tl_vllm import SpecError
-    from inspect_tl_vllm.provider.api import TLVLLMAPI
+    from inspect_tl_vllm.provider.model_api import TLVLLMAPI
 
     with pytest.raises(SpecError, match="-M boot='soon'"):
         TLVLLMAPI(str(tiny_llama_dir), boot="soon")
@@ -333,7 +333,7 @@ def test_a_cancelled_request_leaves_nothing_in_the_worker(provider_args, tiny_ll
 
     from inspect_ai.model import ChatMessageUser
 
-    from inspect_tl_vllm.provider.api import TLVLLMAPI
+    from inspect_tl_vllm.provider.model_api import TLVLLMAPI
 
     model = TLVLLMAPI(str(tiny_llama_dir), **{**provider_args, "max_num_seqs": 5, "boot": "eager"})
 
@@ -518,7 +518,7 @@ def test_sample_times_exclude_a_lazy_boot_and_many_samples_run_at_once(provider_
     from inspect_ai.model import get_model
 
     from inspect_tl_vllm.provider import engine_pool
-    from inspect_tl_vllm.provider.api import DEFAULT_CONNECTIONS
+    from inspect_tl_vllm.provider.model_api import DEFAULT_CONNECTIONS
 
     args = {**provider_args, "max_num_seqs": 5}  # an engine of its own, booted by the eval
     assert get_model(f"tl-vllm/{tiny_llama_dir}", **args).config.max_connections == DEFAULT_CONNECTIONS
@@ -540,7 +540,7 @@ def test_sample_times_exclude_a_lazy_boot_and_many_samples_run_at_once(provider_
 def test_the_provider_turns_a_tool_call_reply_into_an_assistant_message(provider_args, tiny_llama_dir):
     from inspect_ai.tool import ToolInfo, ToolParam, ToolParams
 
-    from inspect_tl_vllm.provider.api import TLVLLMAPI
+    from inspect_tl_vllm.provider.model_api import TLVLLMAPI
 
     add = ToolInfo(name="add", description="Add", parameters=ToolParams(properties={"x": ToolParam(type="integer")}))
     api = TLVLLMAPI(str(tiny_llama_dir), **provider_args)

@@ -241,7 +241,7 @@ def test_disk_full_fails_only_the_sample_that_overflows(vllm_ready, tiny_llama_d
     from inspect_ai.log import read_eval_log
 
     from inspect_tl_vllm import activations
-    from inspect_tl_vllm.store.layout import sample_file_name
+    from inspect_tl_vllm.store.sample_store import sample_file_name
 
     script = tmp_path / "disk_full.py"
     script.write_text(DISK_FULL_SCRIPT)
@@ -284,7 +284,7 @@ INDEX_LIMIT_SCRIPT = """
 import json, os, resource, signal, sys
 from pathlib import Path
 import torch
-from inspect_tl_vllm.store.layout import INDEX, read_index, write_sample
+from inspect_tl_vllm.store.sample_store import INDEX, read_index, write_sample
 
 directory, limit = Path(sys.argv[1]), int(sys.argv[2])
 directory.mkdir()
@@ -320,7 +320,7 @@ def test_index_line_is_never_left_partial_when_the_disk_fills(tmp_path):
 
 def test_a_torn_index_line_hides_no_other_entry(tmp_path):
     """A line torn by a power loss mid-append: the reader warns and keeps every other entry."""
-    from inspect_tl_vllm.store.layout import INDEX, read_index, write_sample
+    from inspect_tl_vllm.store.sample_store import INDEX, read_index, write_sample
 
     def write(sample_id: str) -> None:
         tensors = {"h": torch.zeros(1, 4)}

@@ -59,7 +59,7 @@ def tensors(seed: int) -> dict[str, torch.Tensor]:
 
 
 def write(folder: str, sample_id: str, seed: int, epoch: int = 1) -> dict:
-    from inspect_tl_vllm.store.layout import write_sample
+    from inspect_tl_vllm.store.sample_store import write_sample
 
     return write_sample(
         folder,
@@ -77,7 +77,7 @@ def write(folder: str, sample_id: str, seed: int, epoch: int = 1) -> dict:
 
 
 def test_files_and_index_entries_round_trip_and_a_retry_replaces_its_entry(s3, bucket_dir):
-    from inspect_tl_vllm.store.layout import read_index, read_sample
+    from inspect_tl_vllm.store.sample_store import read_index, read_sample
 
     write(bucket_dir, "a", 1)
     write(bucket_dir, "b", 2)
@@ -95,7 +95,7 @@ def test_files_and_index_entries_round_trip_and_a_retry_replaces_its_entry(s3, b
 def test_a_file_without_its_entry_is_invisible_and_a_torn_entry_is_skipped_with_a_warning(s3, bucket_dir):
     """A crash between storing a file and its entry leaves a file that readers never see; an entry
     object that does not parse hides only itself."""
-    from inspect_tl_vllm.store.layout import read_index, sample_file_name
+    from inspect_tl_vllm.store.sample_store import read_index, sample_file_name
 
     write(bucket_dir, "kept", 1)
     root = bucket_dir.removeprefix("s3://")
@@ -107,7 +107,7 @@ def test_a_file_without_its_entry_is_invisible_and_a_torn_entry_is_skipped_with_
 
 
 def test_a_changed_object_and_a_name_leading_out_are_refused_by_name(s3, bucket_dir):
-    from inspect_tl_vllm.store.layout import StoredFileError, UnsafePathError, read_sample
+    from inspect_tl_vllm.store.sample_store import StoredFileError, UnsafePathError, read_sample
 
     entry = write(bucket_dir, "a", 1)
     root = bucket_dir.removeprefix("s3://")
@@ -127,7 +127,7 @@ def test_an_unwritable_bucket_is_reported_before_generation(s3):
 
 def test_link_sample_copies_on_the_server_and_never_downloads(s3, bucket_dir, monkeypatch):
     from inspect_tl_vllm.store.folders import RemoteFolder
-    from inspect_tl_vllm.store.layout import link_sample, read_index, read_sample
+    from inspect_tl_vllm.store.sample_store import link_sample, read_index, read_sample
 
     entry = write(f"{bucket_dir}/first", "a", 1)
 
@@ -148,7 +148,7 @@ def test_activations_load_reads_a_log_in_the_bucket_joined_with_scores(s3, bucke
     from inspect_ai.scorer import Score
 
     from inspect_tl_vllm import activations
-    from inspect_tl_vllm.store.layout import activations_dir_for
+    from inspect_tl_vllm.store.sample_store import activations_dir_for
 
     location = f"{bucket_dir}/x.eval"
     samples = [
@@ -183,7 +183,7 @@ def spool(tmp_path, monkeypatch) -> Path:
 
 
 def write_sharded(writer, sample_id: str, seed: int) -> dict:
-    from inspect_tl_vllm.store.layout import write_sample
+    from inspect_tl_vllm.store.sample_store import write_sample
 
     return write_sample(
         writer.folder,
@@ -201,7 +201,7 @@ def test_remote_shards_are_spooled_then_uploaded_whole_data_before_index(s3, buc
     """Nothing reaches the bucket sample by sample: a shard is uploaded when it is full (while
     writing goes on) and at close, its ``.bin`` before its ``.jsonl``; then the spool is gone."""
     from inspect_tl_vllm.store.folders import RemoteFolder, folder_at
-    from inspect_tl_vllm.store.layout import read_index, read_sample
+    from inspect_tl_vllm.store.sample_store import read_index, read_sample
     from inspect_tl_vllm.store.shards import ShardWriter
 
     uploads: list[str] = []
@@ -231,7 +231,7 @@ def test_a_killed_writers_spool_is_uploaded_by_the_next_reader_and_a_live_ones_i
     ``activations.load`` (or eval-retry) there uploads them. A spool whose writer still runs is
     locked and not touched."""
     from inspect_tl_vllm.store.folders import folder_at
-    from inspect_tl_vllm.store.layout import read_index
+    from inspect_tl_vllm.store.sample_store import read_index
     from inspect_tl_vllm.store.shards import ShardWriter, upload_spooled
 
     folder = folder_at(bucket_dir)
@@ -262,7 +262,7 @@ def test_a_spool_that_cannot_be_made_is_named_with_its_fix(s3, bucket_dir, tmp_p
 
 def test_a_remote_shard_cut_short_loses_only_its_samples_past_the_cut(s3, bucket_dir, spool):
     from inspect_tl_vllm.store.folders import folder_at
-    from inspect_tl_vllm.store.layout import SampleReader, StoredFileError, read_index, read_sample
+    from inspect_tl_vllm.store.sample_store import SampleReader, StoredFileError, read_index, read_sample
     from inspect_tl_vllm.store.shards import ShardWriter
 
     writer = ShardWriter(folder_at(bucket_dir), 1 << 20)
@@ -435,7 +435,7 @@ def test_a_killed_sharded_run_is_finished_by_eval_retry_with_nothing_lost_or_dou
     from inspect_ai.log import list_eval_logs, read_eval_log
 
     from inspect_tl_vllm import activations
-    from inspect_tl_vllm.store.layout import read_index
+    from inspect_tl_vllm.store.sample_store import read_index
 
     log_dir = f"{bucket_dir}/logs"
     with provider_model_args(capture=HOOK, capture_reduce="mean", activations_shard_mb=1) as args:

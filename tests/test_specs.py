@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from inspect_tl_vllm.instrument.hookpoints import ModelShape, build_sites, canonical_hook_point, layout_for
-from inspect_tl_vllm.instrument.plans import Scope
+from inspect_tl_vllm.instrument.request_state import Scope
 from inspect_tl_vllm.specs import InstrumentConfig, SpecError, parse_hook_point, parse_request_spec
 from inspect_tl_vllm.vectors.files import load_vector
 

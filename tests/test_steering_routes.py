@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import cpu_hook_runtime
-from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState, Scope, SteerItem
+from inspect_tl_vllm.instrument.request_state import CaptureItem, RequestState, Scope, SteerItem
 from inspect_tl_vllm.instrument.routing import StepRouter
 from inspect_tl_vllm.instrument.runtime import IDENTITY_STAGE, HookRuntime
 from random_traffic import Batch, Rows, drive, random_walk

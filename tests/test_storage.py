@@ -16,7 +16,7 @@ from conftest import eval_spec
 from inspect_tl_vllm import activations
 from inspect_tl_vllm.store.activations import SkippedRecordWarning
 from inspect_tl_vllm.store.folders import folder_at
-from inspect_tl_vllm.store.layout import (
+from inspect_tl_vllm.store.sample_store import (
     INDEX,
     StoredFileError,
     activations_dir_for,
@@ -317,7 +317,7 @@ def test_carrying_over_a_shard_links_it_once_and_indexes_only_the_carried_sample
     """eval-retry's carry-over adds a shard whole to the later folder (a hard link, no bytes
     copied) with an index of just the samples carried: a sample of that shard that failed and ran
     again in the later eval is not seen twice."""
-    from inspect_tl_vllm.store.layout import link_shard
+    from inspect_tl_vllm.store.sample_store import link_shard
 
     log, entries = sharded_log(tmp_path, ["a", "b", "c"], target=1 << 20)
     source = tmp_path / "x.activations"

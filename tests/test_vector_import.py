@@ -215,7 +215,7 @@ def eval_log_with_activations(tmp: Path) -> Path:
     from inspect_ai.model import ModelOutput, ModelUsage, get_model
     from inspect_ai.scorer import includes
 
-    from inspect_tl_vllm.store.layout import activations_dir_for, write_sample
+    from inspect_tl_vllm.store.sample_store import activations_dir_for, write_sample
 
     task = Task(
         dataset=[Sample(id=1, input="Say hi", target="Default"), Sample(id=2, input="Say bye", target="nowhere")],
@@ -337,7 +337,7 @@ def test_arrow_reader_streams_the_rows_the_parquet_export_writes(tmp_path):
 def activations_folder(log: Path) -> Path:
     from inspect_ai.log import read_eval_log
 
-    from inspect_tl_vllm.store.layout import activations_dir_for
+    from inspect_tl_vllm.store.sample_store import activations_dir_for
 
     header = read_eval_log(str(log), header_only=True)
     return activations_dir_for(header.location, header.eval.eval_id, None).path

@@ -455,7 +455,7 @@ MUTATIONS = (
     Mutation(
         "an imported class renamed",
         (("vllm/v1/engine/exceptions.py", rename_class("EngineDeadError", "EngineGone")),),
-        "exceptions.py: defines no EngineDeadError (src/inspect_tl_vllm/provider/api.py:",
+        "exceptions.py: defines no EngineDeadError (src/inspect_tl_vllm/provider/model_api.py:",
     ),
     Mutation(
         "V1 _preprocess renamed",

@@ -27,7 +27,7 @@ def __getattr__(name: str) -> Any:
 
         return activations
     if name == "boot":
-        from inspect_tl_vllm.engine.api import boot
+        from inspect_tl_vllm.engine.offline import boot
 
         return boot
     if name == "construct_instrumented_llm":

@@ -13,6 +13,6 @@ MODEL_PREFIX = f"{PROVIDER_NAME}/"
 
 @modelapi(name=PROVIDER_NAME)
 def tl_vllm() -> type[ModelAPI]:
-    from inspect_tl_vllm.provider.api import TLVLLMAPI
+    from inspect_tl_vllm.provider.model_api import TLVLLMAPI
 
     return TLVLLMAPI

@@ -45,7 +45,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _extract_vector(args: argparse.Namespace) -> int:
-    from inspect_tl_vllm.engine.api import boot
+    from inspect_tl_vllm.engine.offline import boot
     from inspect_tl_vllm.research.extract import extract_vectors, read_pairs, rows_path, save_vectors
     from inspect_tl_vllm.specs import SpecError
 

@@ -470,7 +470,7 @@ class Verifier:
     # engines ----------------------------------------------------------------------------
 
     def boot(self, compiled: bool) -> Any:
-        from inspect_tl_vllm.engine.api import boot
+        from inspect_tl_vllm.engine.offline import boot
 
         settings: dict[str, Any] = {
             "dtype": self.args.dtype,

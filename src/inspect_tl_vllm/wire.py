@@ -4,7 +4,7 @@ Three messages travel:
 
 - ``RequestWire``: a request's steering and capture, resolved to site numbers and vector
   hashes (``engine/frontend.py`` builds it), in ``SamplingParams.extra_args["tlvllm"]``; the
-  worker turns it into its per-request state (``instrument/plans.py``).
+  worker turns it into its per-request state (``instrument/request_state.py``).
 - ``FetchedResult``: what ``tlvllm_fetch`` answers per request (``engine/worker.py`` builds it,
   the front end decodes it): the ``Receipt``, captured rows as safetensors bytes or hand-off
   file names, and the positions of per-token rows.

@@ -5,7 +5,7 @@ it the results are fetched from the workers and the vectors let go (``fetch``), 
 and checked (``decode``); a request
 aborted or cancelled on the way has its worker-side results taken back (``discard``).  Each
 step needs worker calls (``collective_rpc``), which are synchronous on ``vllm.LLM`` (the Python
-API, ``api.py``) and awaited on ``AsyncLLM`` (the Inspect provider).  So each step is a generator
+API, ``offline.py``) and awaited on ``AsyncLLM`` (the Inspect provider).  So each step is a generator
 that yields the calls it needs and receives their answers (``RpcCall``), and ``run`` and
 ``run_async`` drive it on either engine: the bookkeeping exists in one place.
 """

@@ -20,7 +20,7 @@ import torch
 
 from inspect_tl_vllm.engine.handoff import shared_folder, write_tensors
 from inspect_tl_vllm.instrument.dtypes import TORCH_DTYPES
-from inspect_tl_vllm.instrument.plans import RequestState, finish_pooled
+from inspect_tl_vllm.instrument.request_state import RequestState, finish_pooled
 from inspect_tl_vllm.specs import sae_keys
 from inspect_tl_vllm.wire import FetchedResult
 

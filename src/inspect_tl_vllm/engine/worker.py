@@ -32,7 +32,7 @@ from inspect_tl_vllm.engine.runners import NewRequest, StepLayout, V1Runner, V2R
 from inspect_tl_vllm.engine.sae_encoders import SaeEncoders
 from inspect_tl_vllm.engine.telemetry import GC_TIMER, HostTimer, pinned_host_stats
 from inspect_tl_vllm.instrument.hookpoints import ModelShape, Site, build_sites, layout_for
-from inspect_tl_vllm.instrument.plans import RequestState, plan_request
+from inspect_tl_vllm.instrument.request_state import RequestState, plan_request
 from inspect_tl_vllm.instrument.routing import StepRouter
 from inspect_tl_vllm.instrument.runtime import HookRuntime, install_hooks
 from inspect_tl_vllm.specs import TAG

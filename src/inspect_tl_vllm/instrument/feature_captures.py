@@ -30,9 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from inspect_tl_vllm.instrument.plans import RequestState
 from inspect_tl_vllm.instrument.pooled_captures import fold_group
 from inspect_tl_vllm.instrument.pooling import MODES, SiteAccumulators, device_index
+from inspect_tl_vllm.instrument.request_state import RequestState
 from inspect_tl_vllm.instrument.runtime import HookRuntime
 from inspect_tl_vllm.wire import FeaturesWire
 

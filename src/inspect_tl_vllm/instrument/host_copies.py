@@ -27,9 +27,9 @@ import numpy as np
 import torch
 
 from inspect_tl_vllm.instrument.dtypes import TORCH_DTYPES
-from inspect_tl_vllm.instrument.plans import CaptureItem, RequestState
 from inspect_tl_vllm.instrument.pooled_captures import PooledReads
 from inspect_tl_vllm.instrument.pooling import device_index
+from inspect_tl_vllm.instrument.request_state import CaptureItem, RequestState
 from inspect_tl_vllm.instrument.runtime import HookRuntime
 from inspect_tl_vllm.instrument.steering_receipts import ReceiptReads
 

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inspect_tl_vllm.instrument.plans import RequestState
 from inspect_tl_vllm.instrument.pooling import MODES, SiteAccumulators, device_index
+from inspect_tl_vllm.instrument.request_state import RequestState
 from inspect_tl_vllm.instrument.runtime import HookRuntime
 
 PooledReads = dict[int, tuple[np.ndarray, torch.Tensor]]  # site -> slots (sorted), their rows on the host

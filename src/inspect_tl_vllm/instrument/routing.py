@@ -39,9 +39,9 @@ import torch
 
 from inspect_tl_vllm.instrument.feature_captures import FeatureCaptures, FeatureReads
 from inspect_tl_vllm.instrument.host_copies import MAX_IN_FLIGHT, HostCopies, InFlight, PerToken
-from inspect_tl_vllm.instrument.plans import SCOPE_CODES, RequestState, scopes_cover
 from inspect_tl_vllm.instrument.pooled_captures import PooledCaptures, PooledReads
 from inspect_tl_vllm.instrument.pooling import MODES
+from inspect_tl_vllm.instrument.request_state import SCOPE_CODES, RequestState, scopes_cover
 from inspect_tl_vllm.instrument.runtime import HookRuntime
 from inspect_tl_vllm.instrument.slots import LAYOUT_COLUMNS, Layout, PooledItems, Slots
 from inspect_tl_vllm.instrument.steering_receipts import ReceiptReads, SteeringReceipts

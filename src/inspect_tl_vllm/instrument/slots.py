@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from inspect_tl_vllm.instrument.plans import RequestState
 from inspect_tl_vllm.instrument.pooling import MODES
+from inspect_tl_vllm.instrument.request_state import RequestState
 
 
 class Slots:

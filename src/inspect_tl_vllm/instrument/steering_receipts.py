@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from inspect_tl_vllm.instrument.plans import SteerItem
 from inspect_tl_vllm.instrument.pooling import device_index
+from inspect_tl_vllm.instrument.request_state import SteerItem
 from inspect_tl_vllm.instrument.runtime import HookRuntime
 from inspect_tl_vllm.instrument.site_op import ROW_STATS
 from inspect_tl_vllm.instrument.slots import Slots

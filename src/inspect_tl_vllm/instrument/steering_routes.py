@@ -30,8 +30,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from inspect_tl_vllm.instrument.plans import RequestState, SteerItem
 from inspect_tl_vllm.instrument.pooling import device_index
+from inspect_tl_vllm.instrument.request_state import RequestState, SteerItem
 from inspect_tl_vllm.instrument.runtime import IDENTITY_STAGE, HookRuntime
 from inspect_tl_vllm.instrument.site_op import STAGE_WIDTH
 from inspect_tl_vllm.instrument.steering_receipts import SteeringReceipts

@@ -31,7 +31,7 @@ from inspect_ai.log import EvalLog, EvalSample
 from inspect_tl_vllm._registry import MODEL_PREFIX
 from inspect_tl_vllm.specs import TAG, SpecError
 from inspect_tl_vllm.store.folders import Folder, is_url, local_path
-from inspect_tl_vllm.store.layout import (
+from inspect_tl_vllm.store.sample_store import (
     StoredFileError,
     activations_dir_for,
     link_sample,

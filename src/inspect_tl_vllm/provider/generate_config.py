@@ -21,7 +21,7 @@ silently dropped would change what a run measures):
   Inspect's agent bridge sets it from an agent's own requests.
 - ``modalities``: refused when it asks for any; vLLM generates text only.
 
-``parallel_tool_calls=False`` keeps the first tool call, as vLLM's server does (``api.py``).  Every
+``parallel_tool_calls=False`` keeps the first tool call, as vLLM's server does (``model_api.py``).  Every
 field is read with ``getattr``: a ``GenerateConfig`` of an older Inspect may lack one.
 """
 

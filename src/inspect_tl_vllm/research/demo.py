@@ -34,8 +34,8 @@ def run(
 ) -> Path:
     from safetensors.torch import save_file
 
-    from inspect_tl_vllm.engine.api import boot
     from inspect_tl_vllm.engine.construct import on_cpu_build
+    from inspect_tl_vllm.engine.offline import boot
 
     on_gpu = not on_cpu_build()
     settings = {} if on_gpu else {"enforce_eager": True, "dtype": "float32", "max_model_len": 1024}

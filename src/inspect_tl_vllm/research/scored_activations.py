@@ -12,7 +12,7 @@ def stored_activations(state: TaskState, scorer: str, advice: str) -> dict[str, 
     """The tensors stored for ``state``'s output, read through the file its metadata names
     (kept inside its folder); a SpecError naming ``scorer`` and ``advice`` when it stored none."""
     from inspect_tl_vllm.provider.active import active_sample
-    from inspect_tl_vllm.store.layout import read_sample, recorded_dir
+    from inspect_tl_vllm.store.sample_store import read_sample, recorded_dir
 
     stored = (state.output.metadata or {}).get(TAG, {}).get("activations", {})
     if "dir" not in stored:

@@ -23,7 +23,7 @@ import torch
 
 from inspect_tl_vllm.extras import require
 from inspect_tl_vllm.specs import TAG
-from inspect_tl_vllm.store.layout import (
+from inspect_tl_vllm.store.sample_store import (
     STORED_KEYS,
     SampleReader,
     StoredFileError,

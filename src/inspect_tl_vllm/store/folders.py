@@ -1,5 +1,5 @@
 """Where an eval's activations live: a local folder, or a folder in any fsspec store (S3, GCS,
-Azure, ...) beside a log that Inspect writes there.  ``store/layout.py`` says what goes in a
+Azure, ...) beside a log that Inspect writes there.  ``store/sample_store.py`` says what goes in a
 folder; this module says how bytes get in and out, with each store's own guarantees:
 
 - **Local** (``LocalFolder``): a file is written under a temporary name and renamed; the index is
@@ -13,7 +13,7 @@ folder; this module says how bytes get in and out, with each store's own guarant
   another folder of the same store with a server-side copy (S3 ``CopyObject``), else downloaded
   and uploaded.
 
-Names inside a folder come from ``layout.py`` or, when read back, from an index or a log; either
+Names inside a folder come from ``sample_store.py`` or, when read back, from an index or a log; either
 way ``Folder.file`` accepts only a plain name that stays in the folder (``UnsafePathError``). Index
 lines are parsed and range-checked by ``store/entries.py``. A local file is read only when it is a
 regular file (a FIFO would make the reader wait forever), and a remote folder's listings and
@@ -128,7 +128,7 @@ def _refusal(folder: str, name: Any, where: str) -> UnsafePathError:
 
 
 class Folder(ABC):
-    """What ``layout.py`` needs of a folder; ``LocalFolder`` and ``RemoteFolder`` implement it."""
+    """What ``sample_store.py`` needs of a folder; ``LocalFolder`` and ``RemoteFolder`` implement it."""
 
     location: str
     """The folder as a user would write it: a path or a URL."""

@@ -1,7 +1,7 @@
 """Shards: many samples per file, for runs of 10^4 to 10^6 samples and for object stores, where one
 file (two requests) per sample costs more than the samples themselves (``-M activations_shard_mb=N``).
 
-Inside an activations folder (``store/layout.py``)::
+Inside an activations folder (``store/sample_store.py``)::
 
     shards/<name>.bin    the samples' safetensors blobs, one after another
     shards/<name>.jsonl  one index line per sample: the per-sample layout's entry, with ``file``

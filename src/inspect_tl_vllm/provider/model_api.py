@@ -473,7 +473,7 @@ class TLVLLMAPI(ModelAPI):
             }
             record["activations"] = {"hooks": summary}
             if active is not None:
-                from inspect_tl_vllm.store.layout import STORED_KEYS, record_dir, write_sample
+                from inspect_tl_vllm.store.sample_store import STORED_KEYS, record_dir, write_sample
                 from inspect_tl_vllm.store.shards import writer_for
 
                 directory = self._activations_dir(active)
@@ -509,7 +509,7 @@ class TLVLLMAPI(ModelAPI):
     def _activations_dir(self, active: ActiveSample) -> Folder:
         """This eval's activations folder, checked for write access once per folder (with shards,
         its writer made too, so that a spool that cannot be created fails before generation)."""
-        from inspect_tl_vllm.store.layout import activations_dir_for
+        from inspect_tl_vllm.store.sample_store import activations_dir_for
         from inspect_tl_vllm.store.shards import writer_for
 
         directory = activations_dir_for(active.log_location, active.eval_id, self.settings.activations_dir)
