@@ -4,7 +4,7 @@ A hook reads one table row per token (``runtime.py``).  For small models a decod
 host little time beside vLLM's own work, so those rows are not built on the host, which would
 mean numpy work over every steered row and a copy per site on every step.  Instead each steered
 request's stages are written to the device once, when it is admitted, into tables indexed by
-request slot: per site table and stage, the stage's eight
+request slot: per site table and stage, the stage's nine
 numbers, the range of positions it covers (or a listed-positions id) and the receipt slot its
 rows count toward.  Before a step the router hands over each token row's request slot and
 position, both on the device (vLLM computes the positions there anyway), and a few gathers
