@@ -60,23 +60,32 @@ def steering_sweep(
     layer: int = 12,
     control_seed: int | None = None,
     control_kind: str = "gauss",
+    control_seeds: str | None = None,
     vector: str = str(VECTOR),
     max_tokens: int = 40,
 ) -> Task:
-    """One point of a sweep: the vector (or, with control_seed, a control direction of the same
-    norm, of ``control_kind``: see ``research/controls.py``) added at blocks.{layer}.hook_resid_post
-    with coefficient ``coef``.  Scored twice: does
-    the answer talk about the sea, and how fluent is it to the unsteered model.  ``vector`` is a
-    file (``path`` or ``path:key``) relative to this file's folder, as Inspect resolves task files."""
-    from inspect_tl_vllm.research.controls import random_like
+    """One point of a sweep: the vector (or, with control_seed, a control direction of the same norm,
+    of ``control_kind``: see ``research/controls.py``) added at blocks.{layer}.hook_resid_post
+    with coefficient ``coef``.  ``control_seeds`` (comma-separated) runs one control direction per
+    seed in this one eval, each question once per direction
+    (``tl-vllm sweep --controls-in-one-eval``).  Scored twice: does the answer talk about the sea,
+    and how fluent is it to the unsteered model.  ``vector`` is a file (``path`` or ``path:key``)
+    relative to this file's folder, as Inspect resolves task files."""
+    from inspect_tl_vllm.research.controls import control_samples, parse_seeds, random_like
 
     # Inspect builds tasks inside the task file's folder: relative paths are relative to it.
     vector = str(Path(vector).resolve())
-    path = random_like(vector, control_seed, control_kind) if control_seed is not None else vector
     hook = f"blocks.{layer}.hook_resid_post"
-    solver = steer(interventions=[{"hook": hook, "vector": path, "coef": coef}]) if coef else generate()
+    if control_seeds is not None:
+        seeds = parse_seeds(control_seeds)
+        dataset = control_samples(list(questions()), vector, seeds, hook=hook, coef=coef, kind=control_kind)
+        solver = generate()
+    else:
+        path = random_like(vector, control_seed, control_kind) if control_seed is not None else vector
+        dataset = questions()
+        solver = steer(interventions=[{"hook": hook, "vector": path, "coef": coef}]) if coef else generate()
     return Task(
-        dataset=questions(),
+        dataset=dataset,
         solver=solver,
         scorer=[mentions_ocean(), fluency()],
         config=GenerateConfig(max_tokens=max_tokens, temperature=0.0),

@@ -361,3 +361,106 @@ def test_a_sweep_passes_its_control_kind_and_a_report_takes_one_kind(tmp_path, m
     logs.append(log(coef=1.0, layer=3, control_seed=2))
     with pytest.raises(SpecError, match="controls of 2 kinds \\(gauss, relabel\\).*its own --log-dir"):
         sweep.collect(str(tmp_path))
+
+
+def test_controls_in_one_eval_are_points_of_their_own_seeds(tmp_path, monkeypatch):
+    from inspect_ai.dataset import Sample
+    from safetensors.torch import save_file
+
+    from inspect_tl_vllm.research.controls import control_samples, random_like
+    from inspect_tl_vllm.research.sweep import point_sample_limit
+
+    separate = sweep_points([0.0, 2.0], [1], controls=3)
+    together = sweep_points([0.0, 2.0], [1], controls=3, one_eval=True)
+    seeds = [p["control_seed"] for p in separate if "control_seed" in p]
+    assert together[2:] == [{"coef": 2.0, "layer": 1, "control_seeds": ",".join(map(str, seeds))}]
+    assert point_sample_limit(together[2], 5) == 15 and point_sample_limit(separate[2], 5) == 5
+
+    monkeypatch.setenv("TLVLLM_CACHE", str(tmp_path / "cache"))
+    save_file({"v": torch.randn(16)}, str(tmp_path / "v.safetensors"))
+    questions = [Sample(id="a", input="Hi"), Sample(id="b", input="Bye")]
+    source = str(tmp_path / "v.safetensors")
+    samples = control_samples(questions, source, [7, 9], hook="blocks.1.hook_resid_post", coef=2)
+    assert [s.id for s in samples] == ["a~7", "a~9", "b~7", "b~9"]  # whole questions first: a limit takes whole ones
+    for sample in samples:
+        seed = sample.metadata["control_seed"]
+        [item] = sample.metadata["tlvllm"]["interventions"]
+        assert item == {"hook": "blocks.1.hook_resid_post", "vector": random_like(source, seed), "coef": 2}
+        assert sample.metadata["question_id"] == sample.id.split("~")[0]
+
+
+ONE_EVAL_TASK = """
+from inspect_ai import Task, task
+from inspect_ai.dataset import Sample
+from inspect_ai.scorer import includes
+from inspect_ai.solver import generate
+from inspect_tl_vllm.research.controls import control_samples, parse_seeds, random_like
+from inspect_tl_vllm.research.fluency import fluency
+from inspect_tl_vllm.solvers import steer
+
+
+@task
+def t(coef: float = 0.0, layer: int = 1, control_seed: int | None = None, control_seeds: str | None = None,
+      vector: str = ""):
+    hook = f"blocks.{layer}.hook_resid_post"
+    samples = [Sample(id="hi", input="Hi", target="x"), Sample(id="bye", input="Bye", target="y")]
+    if control_seeds is not None:
+        dataset = control_samples(samples, vector, parse_seeds(control_seeds), hook=hook, coef=coef)
+        return Task(dataset=dataset, solver=generate(), scorer=[includes(), fluency()])
+    path = random_like(vector, control_seed) if control_seed is not None else vector
+    solver = steer([{"hook": hook, "vector": path, "coef": coef}]) if coef else generate()
+    return Task(dataset=samples, solver=solver, scorer=[includes(), fluency()])
+"""
+
+
+def _applied_controls(log_dir):
+    """(seed, question) -> the content hash of the vector each control answer was steered by."""
+    from inspect_ai.log import list_eval_logs, read_eval_log
+
+    found = {}
+    for info in list_eval_logs(str(log_dir)):
+        log = read_eval_log(info)
+        args = log.eval.task_args
+        if args.get("control_seed") is None and args.get("control_seeds") is None:
+            continue
+        for sample in log.samples:
+            seed = sample.metadata.get("control_seed", args.get("control_seed"))
+            question = sample.metadata.get("question_id", sample.id)
+            [item] = sample.output.metadata["tlvllm"]["applied"]["interventions"]
+            assert sample.output.metadata["tlvllm"]["receipt"]["interventions"][0]["rows"] > 0
+            found[(seed, question)] = (item["vector"], item["coef"])
+    return found
+
+
+@pytest.mark.engine
+def test_controls_in_one_eval_are_steered_as_one_eval_each(vllm_ready, tiny_llama_dir, tmp_path, monkeypatch):
+    """The same sweep with each control direction in an eval of its own and with all of them in one
+    eval: every (direction, question) answer is steered by the same vector and coefficient, and the
+    report finds the same directions and pairs them with the steering vector by question."""
+    from safetensors.torch import save_file
+
+    from conftest import TINY_MODEL_ARGS_CLI, environment
+    from inspect_tl_vllm.cli import main
+    from inspect_tl_vllm.research.sweep import collect, report
+
+    monkeypatch.setenv("TLVLLM_CACHE", str(tmp_path / "cache"))
+    vector = torch.randn(64, generator=torch.Generator().manual_seed(2)) * 4
+    save_file({"vector": vector}, str(tmp_path / "v.safetensors"))
+    (tmp_path / "task.py").write_text(ONE_EVAL_TASK)
+    monkeypatch.chdir(tmp_path)
+    base = ["sweep", "task.py", "--model", f"tl-vllm/{tiny_llama_dir}", "--coef", "0,2", "--layer", "1"]
+    base += ["--controls", "3", "-T", f"vector={tmp_path / 'v.safetensors'}", *TINY_MODEL_ARGS_CLI]
+    with environment(TORCH_COMPILE_DISABLE="1"):
+        assert main([*base, "--log-dir", str(tmp_path / "apart")]) == 0
+        assert main([*base, "--controls-in-one-eval", "--log-dir", str(tmp_path / "together")]) == 0
+    assert len(list((tmp_path / "together").glob("*.eval"))) == 3  # coef 0, coef 2, all controls at 2
+    together = _applied_controls(tmp_path / "together")
+    assert len(together) == 3 * 2 and len({vector for vector, _ in together.values()}) == 3
+    assert together == _applied_controls(tmp_path / "apart")
+    rows = {name: {row.coef: row for row in collect(str(tmp_path / name))}[2.0] for name in ("apart", "together")}
+    assert sorted(c.seed for c in rows["apart"].controls) == sorted(c.seed for c in rows["together"].controls)
+    for control in rows["together"].controls:
+        assert control.by_question().keys() == {("hi", 1), ("bye", 1)}
+    assert len(rows["together"].paired_differences()) == 2
+    table, _ = report(str(tmp_path / "together"))
+    assert "3, " in next(line for line in table.splitlines() if line.startswith("| 1 | 2 | 2 |"))

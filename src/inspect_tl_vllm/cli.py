@@ -115,7 +115,7 @@ def _sweep(args: argparse.Namespace) -> int:
     model_args = _key_values(args.M)
     points = sweep_points(
         [float(c) for c in args.coef.split(",")], [int(x) for x in args.layer.split(",")], args.controls,
-        args.control_kind,
+        args.control_kind, args.controls_in_one_eval,
     )  # fmt: skip
     shared = _key_values(args.T)
     points = [{**shared, **point} for point in points]
@@ -207,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         help="uniformly random directions; from the covariance of the rows the vector was extracted from; or the "
         "vector re-extracted from its pairs with labels flipped at random (the last two read the rows "
         "extract-vector saves; the task gets control_kind)",
+    )
+    sweep.add_argument(
+        "--controls-in-one-eval",
+        action="store_true",
+        help="run a coefficient's control directions in one eval (task argument control_seeds), each question "
+        "once per direction in one continuous batch: many controls (99) at the cost of a large batch",
     )
     sweep.add_argument("--limit", type=int, default=None, help="samples per point")
     sweep.add_argument("-M", action="append", default=[], help="model arg KEY=VALUE (repeatable)")

@@ -12,9 +12,12 @@ vector only in direction.  Three kinds, from the easiest null to the hardest:
   negative swapped at random: what the extraction finds without the concept.
 
 Each is rescaled to the vector's norm, written once to the per-user cache and referenced by path
-like any other vector.  A direction is drawn from the seed *and* the source's content, so two
-vectors get different controls for one seed; the file name says how it was drawn, so a cache
-written by another rule is never read back as this one's.
+like any other vector. ``control_samples`` puts many directions into one eval: each question once
+per direction, steered by it through the sample's metadata, so that all of them share one
+continuous batch instead of one eval each (``tl-vllm sweep --controls-in-one-eval``). A direction
+is drawn from the seed *and* the source's content, so two vectors get different controls for one
+seed; the file name says how it was drawn, so a cache written by another rule is never read back as
+this one's.
 """
 
 from __future__ import annotations
@@ -103,3 +106,38 @@ def _direction(width: int, kind: str, rows: Any, generator: Any) -> Any:
     differences = rows[0::2] - rows[1::2]  # relabel: each pair's sign flipped with probability 1/2
     signs = torch.randint(0, 2, (differences.shape[0],), generator=generator).float() * 2 - 1
     return (signs[:, None] * differences).mean(dim=0)
+
+
+SEED_KEY = "control_seed"
+QUESTION_KEY = "question_id"
+
+
+def parse_seeds(seeds: str | list[int]) -> list[int]:
+    """``control_seeds`` as a task argument: a comma-separated list, or a list."""
+    values = seeds.split(",") if isinstance(seeds, str) else list(seeds)
+    try:
+        parsed = [int(value) for value in values]
+    except (TypeError, ValueError):
+        raise SpecError(f"control_seeds {seeds!r}: give whole numbers, comma-separated") from None
+    if not parsed or len(set(parsed)) != len(parsed):
+        raise SpecError(f"control_seeds {seeds!r}: give one or more distinct seeds")
+    return parsed
+
+
+def control_samples(
+    samples: Any, vector_ref: str, seeds: list[int], *, hook: str, coef: float, kind: str = "gauss"
+) -> list[Any]:
+    """Every sample once per seed, steered at ``hook`` by that seed's control direction (the sample's
+    ``metadata["tlvllm"]``); ids ``<id>~<seed>``, metadata ``control_seed`` and ``question_id``; a
+    question's directions one after the other."""
+    steering = {
+        seed: {"interventions": [{"hook": hook, "vector": random_like(vector_ref, seed, kind), "coef": coef}]}
+        for seed in seeds
+    }
+    out = []
+    for index, sample in enumerate(samples):  # question by question, so that a sample limit takes whole questions
+        question = sample.id if sample.id is not None else index
+        for seed in seeds:
+            metadata = {**(sample.metadata or {}), "tlvllm": steering[seed], SEED_KEY: seed, QUESTION_KEY: question}
+            out.append(sample.model_copy(update={"id": f"{question}~{seed}", "metadata": metadata}))
+    return out

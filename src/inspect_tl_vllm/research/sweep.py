@@ -11,6 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from inspect_tl_vllm.research.controls import QUESTION_KEY, SEED_KEY, parse_seeds
 from inspect_tl_vllm.research.fluency import is_fluency_score
 from inspect_tl_vllm.research.stats import (
     SMALL_BOOTSTRAP_N,
@@ -33,18 +34,22 @@ def control_seed(layer: int, coef: float, index: int) -> int:
     return zlib.crc32(f"{layer}:{coef!r}:{index}".encode())
 
 
-def sweep_points(coefs: list[float], layers: list[int], controls: int, kind: str = "gauss") -> list[dict[str, Any]]:
+def sweep_points(
+    coefs: list[float], layers: list[int], controls: int, kind: str = "gauss", one_eval: bool = False
+) -> list[dict[str, Any]]:
     """Every steered point, then ``controls`` control directions of ``kind`` (``controls.KINDS``) at
-    each nonzero coefficient; a kind other than ``gauss`` is passed to the task as ``control_kind``."""
+    each nonzero coefficient; a kind other than ``gauss`` is passed to the task as ``control_kind``.
+    With ``one_eval`` a coefficient's directions run in one eval (task argument ``control_seeds``,
+    comma-separated), each question once per direction in one continuous batch."""
     extra = {} if kind == "gauss" else {"control_kind": kind}
     points = [{"coef": c, "layer": layer} for layer in layers for c in coefs]
-    points += [
-        {"coef": c, "layer": layer, "control_seed": control_seed(layer, c, i), **extra}
-        for layer in layers
-        for c in coefs
-        if c != 0
-        for i in range(controls)
-    ]
+    for layer in layers:
+        for c in coefs:
+            seeds = [control_seed(layer, c, i) for i in range(controls)] if c != 0 else []
+            if one_eval and seeds:
+                points.append({"coef": c, "layer": layer, "control_seeds": ",".join(map(str, seeds)), **extra})
+            else:
+                points += [{"coef": c, "layer": layer, "control_seed": seed, **extra} for seed in seeds]
     return points
 
 
@@ -63,17 +68,17 @@ def run_sweep(
     failed or never ran, and reruns nothing else."""
     from inspect_ai import eval
 
-    done = finished_points(log_dir, model=model, model_args=model_args, limit=limit)
+    done = finished_points(log_dir, model=model, model_args=model_args)
     failed = 0
     for i, point in enumerate(points, start=1):
         label = ", ".join(f"{k}={v}" for k, v in point.items())
-        if _normal(point) in done:
+        point_limit = point_sample_limit(point, limit)
+        if (_normal(point), point_limit) in done:
             print(f"sweep: point {i}/{len(points)}: {label}: done already (a successful log in {log_dir})", flush=True)
             continue
         print(f"sweep: point {i}/{len(points)}: {label}", flush=True)
-        logs = eval(
-            task, task_args=point, model=model, model_args=model_args, log_dir=log_dir, display="none", limit=limit
-        )
+        options = {"model": model, "model_args": model_args, "log_dir": log_dir, "display": "none"}
+        logs = eval(task, task_args=point, limit=point_limit, **options)
         for log in logs:
             metrics = {
                 f"{s.name}/{k}": round(m.value, 3)
@@ -87,9 +92,16 @@ def run_sweep(
     return failed
 
 
-def finished_points(log_dir: str, *, model: str, model_args: dict[str, Any], limit: int | None) -> list[str]:
-    """The task arguments (normalised) of the points that succeeded in ``log_dir`` under this
-    model, model arguments and sample limit."""
+def point_sample_limit(point: dict[str, Any], limit: int | None) -> int | None:
+    """Inspect's sample limit for one point: ``limit`` questions, times the directions of a point
+    that runs many (``control_samples`` lists each question's directions together)."""
+    seeds = point.get("control_seeds")
+    return limit if limit is None or seeds is None else limit * len(parse_seeds(seeds))
+
+
+def finished_points(log_dir: str, *, model: str, model_args: dict[str, Any]) -> list[tuple[str, Any]]:
+    """(task arguments, normalised; sample limit) of the points that succeeded in ``log_dir`` under
+    this model and model arguments."""
     from inspect_ai.log import list_eval_logs, read_eval_log
 
     if not Path(log_dir).is_dir():
@@ -98,9 +110,8 @@ def finished_points(log_dir: str, *, model: str, model_args: dict[str, Any], lim
     for info in list_eval_logs(log_dir):
         header = read_eval_log(info, header_only=True)
         spec = header.eval
-        same_run = spec.model == model and spec.config.limit == limit
-        if header.status == "success" and same_run and _normal(spec.model_args) == _normal(model_args):
-            found.append(_normal(spec.task_args_passed))
+        if header.status == "success" and spec.model == model and _normal(spec.model_args) == _normal(model_args):
+            found.append((_normal(spec.task_args_passed), spec.config.limit))
     return found
 
 
@@ -240,7 +251,7 @@ def collect(log_dir: str) -> list[Row]:
     kinds = {
         (log.eval.task_args or {}).get("control_kind") or "gauss"
         for log in logs
-        if (log.eval.task_args or {}).get("control_seed") is not None
+        if any((log.eval.task_args or {}).get(name) is not None for name in ("control_seed", "control_seeds"))
     }
     if len(kinds) > 1:
         raise SpecError(
@@ -249,11 +260,16 @@ def collect(log_dir: str) -> list[Row]:
         )
     for log in logs:
         args = log.eval.task_args or {}
-        key: PointKey = (float(args.get("coef", 0.0)), args.get("layer"), args.get("control_seed"))
+        coef, layer = float(args.get("coef", 0.0)), args.get("layer")
+        batched = args.get("control_seeds")
+        seeds = parse_seeds(batched) if batched is not None else [args.get("control_seed")]
         if log.status != "success":
-            failures[key] = f"{log.status}: {log.error.message if log.error else 'no error recorded'}"
+            why = f"{log.status}: {log.error.message if log.error else 'no error recorded'}"
+            for seed in seeds:
+                failures[(coef, layer, seed)] = why
             continue
-        kept = answers.setdefault(key, {})
+        for seed in seeds:
+            answers.setdefault((coef, layer, seed), {})
         for sample in log.samples or []:
             task_scores = {k: v for k, v in (sample.scores or {}).items() if not is_fluency_score(k)}
             if not task_scores:
@@ -262,7 +278,11 @@ def collect(log_dir: str) -> list[Row]:
             score = float(value) if isinstance(value, int | float) else float(value == "C")
             fluency = [float(v.value) for k, v in sample.scores.items() if is_fluency_score(k)]
             spec = ((sample.output.metadata or {}).get(TAG) or {}).get("spec_sha256")
-            kept[(sample.id, sample.epoch)] = (score, fluency, is_degenerate(sample.output.completion), spec)
+            seed, question = seeds[0], sample.id
+            if batched is not None:  # one eval of many directions: the sample says which, and its question
+                seed, question = (sample.metadata or {}).get(SEED_KEY), (sample.metadata or {}).get(QUESTION_KEY)
+            kept = answers.setdefault((coef, layer, seed), {})
+            kept[(question, sample.epoch)] = (score, fluency, is_degenerate(sample.output.completion), spec)
     points: dict[PointKey, Point] = {}
     for key in answers.keys() | failures.keys():
         point = points[key] = Point(*key)
