@@ -371,14 +371,14 @@ class Instrumentation:
         """Arguments of the ``tlvllm_fetch`` RPC for ``wanted`` ([uid, last input position] pairs)."""
         return wanted, self.handoff.ticket()
 
-    def discard_args(self, requests: list[PreparedRequest]) -> tuple[list[list[Any]], list[str]]:
-        """``tlvllm_fetch`` arguments that take back what the workers hold for requests that were
+    def release_args(self, requests: list[PreparedRequest]) -> tuple[list[list[Any]], list[str]]:
+        """``tlvllm_release`` arguments that take back what the workers hold for requests that were
         aborted or cancelled: their receipts, captured rows and early-written files would
         otherwise stay until the engine stops (position 0: no more rows than needed)."""
         return self.fetch_args([[request.uid, 0] for request in requests])
 
-    def discard(self, per_worker: list[Any]) -> None:
-        """Drop the answer to ``discard_args``' fetch, deleting the hand-off files it names."""
+    def drop_released(self, per_worker: list[Any]) -> None:
+        """Drop the workers' answer to ``tlvllm_release``, deleting the hand-off files it names."""
         for payload in merge_fetched(per_worker):
             for name in payload.files if payload is not None else ():
                 self.handoff.take(name)

@@ -3,11 +3,11 @@
 Before generation the workers' vector bank must hold the requests' vectors (``upload``); after
 it the results are fetched from the workers and the vectors let go (``fetch``), then decoded
 and checked (``decode``); a request
-aborted or cancelled on the way has its worker-side results taken back (``discard``).  Each
+aborted or cancelled on the way has its worker-side results taken back (``release_aborted``).  Each
 step needs worker calls (``collective_rpc``), which are synchronous on ``vllm.LLM`` (the Python
 API, ``offline.py``) and awaited on ``AsyncLLM`` (the Inspect provider).  So each step is a generator
-that yields the calls it needs and receives their answers (``RpcCall``), and ``run`` and
-``run_async`` drive it on either engine: the bookkeeping exists in one place.
+that yields the calls it needs and receives their answers (``RpcCall``), and ``drive`` and
+``drive_async`` run it on either engine: the bookkeeping exists in one place.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ Steps = Generator[RpcCall, Any, T]
 
 def upload(front: Instrumentation, requests: list[PreparedRequest | None]) -> Steps[None]:
     """Give the workers' bank the vectors ``requests`` need; they hold them until ``fetch`` or
-    ``discard``."""
+    ``release_aborted``."""
     pending = front.pending_upload(requests)
     if pending is not None:
         yield RpcCall("tlvllm_put_vectors", (pending.blob, pending.evict))
@@ -74,7 +74,7 @@ def decode(front: Instrumentation, payload: FetchedResult | None, where: str, *,
     return result
 
 
-def discard(front: Instrumentation, requests: list[PreparedRequest]) -> Steps[None]:
+def release_aborted(front: Instrumentation, requests: list[PreparedRequest]) -> Steps[None]:
     """Take back what the workers hold for requests that did not finish: their receipts,
     captured rows and early-written files would otherwise stay until the engine stops.  A
     failure is logged, not raised, so that it does not hide the error that caused the abort
@@ -83,14 +83,14 @@ def discard(front: Instrumentation, requests: list[PreparedRequest]) -> Steps[No
         return
     front.release(requests)
     try:
-        answers = yield RpcCall("tlvllm_fetch", front.discard_args(requests))
+        answers = yield RpcCall("tlvllm_release", front.release_args(requests))
     except Exception as err:
         logger.warning(f"tl-vllm: could not release the aborted requests' results in the workers: {err}")
         return
-    front.discard(answers)
+    front.drop_released(answers)
 
 
-def run(steps: Steps[T], llm: Any) -> T:
+def drive(steps: Steps[T], llm: Any) -> T:
     """Drive ``steps`` on a synchronous ``vllm.LLM``."""
     try:
         call = next(steps)
@@ -105,7 +105,7 @@ def run(steps: Steps[T], llm: Any) -> T:
         return done.value
 
 
-async def run_async(steps: Steps[T], llm: Any) -> T:
+async def drive_async(steps: Steps[T], llm: Any) -> T:
     """Drive ``steps`` on an ``AsyncLLM``."""
     try:
         call = next(steps)

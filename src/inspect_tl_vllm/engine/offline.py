@@ -141,7 +141,7 @@ class Engine:
         except BaseException:  # a failed spec or an interrupt: no request of this call may run on
             if added:
                 self.llm.llm_engine.abort_request(added, internal=True)
-                lifecycle.run(lifecycle.discard(front, [r for r in prepared if r is not None]), self.llm)
+                lifecycle.drive(lifecycle.release_aborted(front, [r for r in prepared if r is not None]), self.llm)
             raise
         generated_at = time.perf_counter()
         finished = [
@@ -150,7 +150,7 @@ class Engine:
             if request is not None
         ]
         labels = [f"prompt {i}" for i, request in enumerate(prepared) if request is not None]
-        payloads = lifecycle.run(lifecycle.fetch(front, finished), self.llm) if finished else []
+        payloads = lifecycle.drive(lifecycle.fetch(front, finished), self.llm) if finished else []
         fetched = (
             lifecycle.decode(front, payload, label, strict=strict)
             for payload, label in zip(payloads, labels, strict=True)
@@ -179,7 +179,7 @@ class Engine:
         """Upload the vectors these requests need that the workers lack, then add the requests."""
         from vllm import SamplingParams
 
-        lifecycle.run(lifecycle.upload(self.core.instrumentation, requests), self.llm)
+        lifecycle.drive(lifecycle.upload(self.core.instrumentation, requests), self.llm)
         inputs = [vllm_prompt(tokens, request) for tokens, request in zip(token_lists, requests, strict=True)]
         # one fresh object per request: vLLM need not deep-copy it (and its wire spec)
         params = [SamplingParams(**sampling, **sampling_fields(request), skip_clone=True) for request in requests]

@@ -337,5 +337,10 @@ class TLWorkerExtension:
     def tlvllm_fetch(self, wanted: list[list[Any]], ticket: list[str] | None = None) -> list[Any] | None:
         return self._tl_controller().fetch(wanted, ticket)
 
+    def tlvllm_release(self, wanted: list[list[Any]], ticket: list[str] | None = None) -> list[Any] | None:
+        """Let go of aborted requests: what a fetch would answer (files written early included, for
+        the front end to delete), which the front end drops."""
+        return self._tl_controller().fetch(wanted, ticket)
+
     def tlvllm_status(self) -> Any:
         return self._tl_controller().status()

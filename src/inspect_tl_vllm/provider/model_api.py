@@ -338,7 +338,7 @@ class TLVLLMAPI(ModelAPI):
         if prepared is not None and prepared.vectors:
             assert self.engine_thread.upload_lock is not None
             async with self.engine_thread.upload_lock:
-                await lifecycle.run_async(lifecycle.upload(front, [prepared]), llm)
+                await lifecycle.drive_async(lifecycle.upload(front, [prepared]), llm)
         final = None
         try:
             async for out in llm.generate(
@@ -350,12 +350,12 @@ class TLVLLMAPI(ModelAPI):
                 final = out
         except BaseException:  # cancelled (a sample limit, a failed eval) or failed: vLLM aborted it
             if prepared is not None:  # the cancelled caller cannot wait for this
-                self.engine_thread.spawn(lifecycle.run_async(lifecycle.discard(front, [prepared]), llm))
+                self.engine_thread.spawn(lifecycle.drive_async(lifecycle.release_aborted(front, [prepared]), llm))
             raise
         if prepared is None:
             return final, None
         generated = max(len(c.token_ids) for c in final.outputs)
-        payloads = await lifecycle.run_async(lifecycle.fetch(front, [(prepared, len(prompt_ids), generated)]), llm)
+        payloads = await lifecycle.drive_async(lifecycle.fetch(front, [(prepared, len(prompt_ids), generated)]), llm)
         return final, payloads[0]
 
     # -- results ---------------------------------------------------------------------------
