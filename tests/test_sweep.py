@@ -433,34 +433,38 @@ def _applied_controls(log_dir):
 
 
 @pytest.mark.engine
-def test_controls_in_one_eval_are_steered_as_one_eval_each(vllm_ready, tiny_llama_dir, tmp_path, monkeypatch):
-    """The same sweep with each control direction in an eval of its own and with all of them in one
-    eval: every (direction, question) answer is steered by the same vector and coefficient, and the
-    report finds the same directions and pairs them with the steering vector by question."""
-    from safetensors.torch import save_file
+def test_controls_in_one_eval_are_steered_each_by_its_own_direction(vllm_ready, tiny_llama_dir, tmp_path, monkeypatch):
+    """A sweep with all control directions in one eval: every (direction, question) answer is steered
+    by that direction (the content hash of the vector its seed draws) at the point's coefficient, and
+    the report finds each direction and pairs it with the steering vector by question."""
+    from safetensors.torch import load_file, save_file
 
     from conftest import TINY_MODEL_ARGS_CLI, environment
     from inspect_tl_vllm.cli import main
+    from inspect_tl_vllm.research.controls import random_like
     from inspect_tl_vllm.research.sweep import collect, report
+    from inspect_tl_vllm.vectors.files import vector_hash
 
     monkeypatch.setenv("TLVLLM_CACHE", str(tmp_path / "cache"))
-    vector = torch.randn(64, generator=torch.Generator().manual_seed(2)) * 4
-    save_file({"vector": vector}, str(tmp_path / "v.safetensors"))
+    source = tmp_path / "v.safetensors"
+    save_file({"vector": torch.randn(64, generator=torch.Generator().manual_seed(2)) * 4}, str(source))
     (tmp_path / "task.py").write_text(ONE_EVAL_TASK)
     monkeypatch.chdir(tmp_path)
-    base = ["sweep", "task.py", "--model", f"tl-vllm/{tiny_llama_dir}", "--coef", "0,2", "--layer", "1"]
-    base += ["--controls", "3", "-T", f"vector={tmp_path / 'v.safetensors'}", *TINY_MODEL_ARGS_CLI]
+    command = ["sweep", "task.py", "--model", f"tl-vllm/{tiny_llama_dir}", "--coef", "0,2", "--layer", "1"]
+    command += ["--controls", "3", "-T", f"vector={source}", *TINY_MODEL_ARGS_CLI, "--controls-in-one-eval"]
     with environment(TORCH_COMPILE_DISABLE="1"):
-        assert main([*base, "--log-dir", str(tmp_path / "apart")]) == 0
-        assert main([*base, "--controls-in-one-eval", "--log-dir", str(tmp_path / "together")]) == 0
-    assert len(list((tmp_path / "together").glob("*.eval"))) == 3  # coef 0, coef 2, all controls at 2
-    together = _applied_controls(tmp_path / "together")
-    assert len(together) == 3 * 2 and len({vector for vector, _ in together.values()}) == 3
-    assert together == _applied_controls(tmp_path / "apart")
-    rows = {name: {row.coef: row for row in collect(str(tmp_path / name))}[2.0] for name in ("apart", "together")}
-    assert sorted(c.seed for c in rows["apart"].controls) == sorted(c.seed for c in rows["together"].controls)
-    for control in rows["together"].controls:
-        assert control.by_question().keys() == {("hi", 1), ("bye", 1)}
-    assert len(rows["together"].paired_differences()) == 2
-    table, _ = report(str(tmp_path / "together"))
+        assert main([*command, "--log-dir", str(tmp_path / "logs")]) == 0
+    assert len(list((tmp_path / "logs").glob("*.eval"))) == 3  # coef 0, coef 2, all controls at 2
+    seeds = [p["control_seed"] for p in sweep_points([2.0], [1], controls=3) if "control_seed" in p]
+    expected = {
+        (seed, question): (vector_hash(load_file(random_like(str(source), seed))["vector"]), 2.0)
+        for seed in seeds
+        for question in ("hi", "bye")
+    }
+    assert _applied_controls(tmp_path / "logs") == expected
+    row = {row.coef: row for row in collect(str(tmp_path / "logs"))}[2.0]
+    assert sorted(c.seed for c in row.controls) == sorted(seeds)
+    assert all(c.by_question().keys() == {("hi", 1), ("bye", 1)} for c in row.controls)
+    assert len(row.paired_differences()) == 2
+    table, _ = report(str(tmp_path / "logs"))
     assert "3, " in next(line for line in table.splitlines() if line.startswith("| 1 | 2 | 2 |"))
