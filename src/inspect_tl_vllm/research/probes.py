@@ -196,10 +196,6 @@ class RepeatedCV:
     def mean(self) -> float:
         return sum(self.accuracies) / len(self.runs)
 
-    def correct_share(self) -> torch.Tensor:
-        """Per sample, the share of repetitions that predicted it right."""
-        return torch.stack([(run.predictions == run.labels).float() for run in self.runs]).mean(0)
-
 
 def repeated_cv(
     features: torch.Tensor,
