@@ -309,7 +309,8 @@ def collect(log_dir: str) -> list[Row]:
 METHOD = (
     "Intervals are 95%: Wilson score intervals for 0/1 scores, percentile bootstrap (10,000 resamples, seed "
     "0) of the mean otherwise. Controls are directions with the vector's norm, drawn independently at each "
-    "coefficient (one eval each; seeds and kind in report.json): uniformly at random (gauss), from the "
+    "coefficient (an eval each, or all of a coefficient's in one eval; seeds and kind in report.json): "
+    "uniformly at random (gauss), from the "
     "covariance of the activations the vector was extracted from (covariance), or the vector extracted again "
     "from its pairs with their labels flipped at random (relabel); the "
     "control columns give the spread of their mean scores over directions, and p is the one-sided Monte Carlo"
