@@ -83,9 +83,10 @@ def record_run_once(eval_id: str, settings: ProviderSettings, model_path: str) -
         _records[eval_id] = run_record(settings, model_path)
 
 
-def recorded(eval_id: str) -> dict[str, Any] | None:
+def take_record(eval_id: str) -> dict[str, Any] | None:
+    """The record of eval ``eval_id``, forgotten here: it is written to the log once, at task end."""
     with _lock:
-        return _records.get(eval_id)
+        return _records.pop(eval_id, None)
 
 
 @hooks(name="tl_vllm_run_record", description="Adds the resolved run-wide steering and capture to a tl-vllm eval log")
@@ -101,7 +102,7 @@ def add_run_record(log: EvalLog) -> bool:
 
     if not log.location or not log.eval.model.startswith(MODEL_PREFIX):
         return False
-    record = recorded(log.eval.eval_id)
+    record = take_record(log.eval.eval_id)
     if record is None:
         return False
     try:
