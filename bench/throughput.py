@@ -16,12 +16,14 @@ Variants, all on the same chat prompts with fixed output lengths (``ignore_eos``
 
 1. ``vanilla``     plain vLLM 0.20.2
 2. ``plain``       instrumented engine, nothing requested
-3. ``steer``       every request steered with its own vector at one layer
+3. ``steer``       every request steered with its own vector (a torch tensor) at one layer
 4. ``capture``     every request captures one hook point, mean over the sample
 5. ``capture_all`` every request captures the residual stream of every layer, per prompt token
 
 and, only when named in ``--variants``:
 
+- ``steer_list``: ``steer`` with each vector given as a list of numbers (as a JSON or YAML spec
+  gives it), which the front end parses, checks and packs once per request.
 - ``steer_zero``: ``steer``'s requests with coefficient 0.  The hooks, tables, vector bank and
   receipts do all of ``steer``'s work, but the outputs stay ``plain``'s, so the difference
   between the two steer variants is what changing the outputs costs (a random-weight model's
@@ -281,7 +283,7 @@ def serve(
     conn.send(info)
     width = llm.llm_engine.vllm_config.model_config.get_hidden_size()
     layers = llm.llm_engine.vllm_config.model_config.hf_text_config.num_hidden_layers
-    vectors = [vector.tolist() for vector in steering_vectors(width, len(prompts))]
+    vectors = steering_vectors(width, len(prompts))
     vocab = len(llm.get_tokenizer())
     while True:
         message = conn.recv()
@@ -426,6 +428,13 @@ def run_variant(
 
     params = dict(max_tokens=new_tokens, temperature=0.0, ignore_eos=True, detokenize=options["detokenize"])
     before = engine.status() if engine is not None else None
+    specs = None
+    if engine is not None:  # the caller's specs exist before the call, as a user's would
+        sae = None
+        if variant in SAE_VARIANTS:
+            width = llm.llm_engine.vllm_config.model_config.get_hidden_size()
+            sae = random_sae(options["scratch"], width, f"blocks.{layers // 2}.hook_resid_post")
+        specs = variant_specs(variant, vectors, layers, sae)
     t0 = time.perf_counter()
     if engine is None:
         sampling: Any = SamplingParams(**params)
@@ -439,11 +448,6 @@ def run_variant(
         )
         token_ids = [list(o.outputs[0].token_ids) for o in outputs]
     else:
-        sae = None
-        if variant in SAE_VARIANTS:
-            width = llm.llm_engine.vllm_config.model_config.get_hidden_size()
-            sae = random_sae(options["scratch"], width, f"blocks.{layers // 2}.hook_resid_post")
-        specs = variant_specs(variant, vectors, layers, sae)
         outputs = engine.generate(prompts, specs=specs, **params)
         token_ids = [o.token_ids for o in outputs]
         phases = {key: round(value, 3) for key, value in engine.last_timings.items()}
@@ -586,9 +590,7 @@ def engine_for(variant: str) -> str:
     return (base if base in ("vanilla", "hotwire") else "instrumented") + at + runner
 
 
-def variant_specs(
-    variant: str, vectors: list[list[float]], layers: int, sae: str | None = None
-) -> list[dict[str, Any] | None]:
+def variant_specs(variant: str, vectors: list[Any], layers: int, sae: str | None = None) -> list[dict[str, Any] | None]:
     middle = layers // 2
     if variant == "plain":
         return [None] * len(vectors)
@@ -607,9 +609,10 @@ def variant_specs(
         return [{"capture": {"sae": sae, "top_k": 32, "reduce": "mean", "positions": "generated"}} for _ in vectors]
     if variant == "capture_tokens":
         return [{"capture": {"hooks": [f"blocks.{middle}.hook_resid_post"], "dtype": "bfloat16"}} for _ in vectors]
-    if variant in ("steer", "steer_zero"):
-        hook, coef = f"blocks.{middle}.hook_resid_post", 1.0 if variant == "steer" else 0.0
-        return [{"interventions": [{"hook": hook, "vector": v, "coef": coef}]} for v in vectors]
+    if variant in ("steer", "steer_list", "steer_zero"):
+        hook, coef = f"blocks.{middle}.hook_resid_post", 0.0 if variant == "steer_zero" else 1.0
+        given = [v.tolist() for v in vectors] if variant == "steer_list" else vectors
+        return [{"interventions": [{"hook": hook, "vector": v, "coef": coef}]} for v in given]
     if variant == "capture":
         return [{"capture": {"hooks": [f"blocks.{middle}.hook_resid_post"], "reduce": "mean"}} for _ in vectors]
     if variant != "capture_all" and variant not in STORED:

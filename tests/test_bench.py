@@ -39,6 +39,17 @@ def test_router_cost_runs_every_workload(tmp_path):
     assert "steer_churn: " in done.stdout and "_write_admissions index_put_" in done.stdout, done.stdout[-2000:]
 
 
+def test_prepare_cost_times_every_vector_form(tmp_path):
+    out = tmp_path / "prepare_cost.json"
+    command = [sys.executable, "bench/prepare_cost.py", "--requests", "16", "--width", "64", "--rounds", "2"]
+    done = subprocess.run([*command, "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(out.read_text())["results"]
+    assert set(results) == {"list", "numpy", "tensor"}
+    assert all(phases["total_s"] > 0 for phases in results.values())
+    assert "| tensor |" in done.stdout
+
+
 def test_cpu_pinning_gives_each_engine_whole_cores_and_pins_a_process_tree(monkeypatch):
     sys.path.insert(0, str(ROOT / "bench"))
     try:

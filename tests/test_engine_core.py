@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 
 from conftest import assert_batch_matches_solo, booted_engine, environment
 from hf_reference import hf_activations, hf_greedy, load_hf
+from inspect_tl_vllm.specs import parse_request_spec
 
 pytestmark = pytest.mark.engine
 PROMPTS = ["The quick brown fox jumps over", "Once upon a time", "In a hole in the ground there lived", "1 2 3 4"]
@@ -124,6 +126,27 @@ def test_steering_equals_transformers_forward_hook(tiny_engine, tiny_llama_dir, 
     assert steered.token_ids != plain.token_ids, "steering had no visible effect; the test proves nothing"
     receipt = steered.receipt["interventions"][0]
     assert receipt["rows"] == len(prompt) + 15 and receipt["fired"]
+
+
+def test_a_vector_steers_alike_as_a_list_an_array_or_a_tensor(tiny_engine):
+    """The Python API takes a researcher's tensor or array as it is (no list round trip): each
+    form steers one request of the same batch to the same tokens, rows and receipt, and the
+    front end keys each form's vector by the same content hash."""
+    torch.manual_seed(5)
+    vector = torch.randn(64)
+    hook, capture = "blocks.1.hook_resid_post", {"hooks": ["blocks.2.hook_resid_post"]}
+    forms = [vector.tolist(), vector.numpy().astype(np.float64), vector, vector.unsqueeze(0)]
+    specs = [{"interventions": [{"hook": hook, "vector": v, "coef": 6.0}], "capture": capture} for v in forms]
+    outs = tiny_engine.generate([PROMPTS[1]] * len(forms), specs=specs, max_tokens=8)
+    plain = tiny_engine.generate(PROMPTS[1], max_tokens=8)[0]
+    assert outs[0].token_ids != plain.token_ids, "steering had no visible effect; the test proves nothing"
+    for out in outs[1:]:
+        assert out.token_ids == outs[0].token_ids
+        assert torch.equal(out.activations["blocks.2.hook_resid_post"], outs[0].activations["blocks.2.hook_resid_post"])
+        assert out.receipt["interventions"] == outs[0].receipt["interventions"]
+    front = tiny_engine.core.instrumentation
+    keys = [set(front.prepare(parse_request_spec(spec), prompt_len=4, max_tokens=8).vectors) for spec in specs]
+    assert all(k == keys[0] for k in keys)
 
 
 def test_mixed_batch_gives_each_request_its_solo_result(tiny_engine):

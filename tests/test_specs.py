@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -110,6 +111,63 @@ def test_inline_vectors_become_exact_float32_tensors():
     assert torch.equal(load_vector(values, 4), torch.tensor(values, dtype=torch.float32))
     with pytest.raises(SpecError, match="entries must be numbers"):
         load_vector([1.0, "x"], 2)
+
+
+def test_a_list_vector_is_packed_once_when_the_spec_is_checked():
+    spec = parse_request_spec({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": [0.1, -2.5, 3]}]})
+    item = spec.interventions[0]
+    entries = item.inline_vector
+    assert entries.dtype == np.float32 and entries.tolist() == torch.tensor([0.1, -2.5, 3]).tolist()
+    assert item.inline_vector is entries  # the front end reads the packed entries, not the list
+    item.vector = [1.0, 2.0, 3.0]  # a list put in its place later is packed afresh, not shadowed
+    assert item.inline_vector.tolist() == [1.0, 2.0, 3.0]
+    assert item.model_dump()["vector"] == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        np.array([0.5, -1.25, 3.0]),  # float64
+        np.array([[0.5, -1.25, 3.0]], dtype=np.float32),  # a [1, d] row
+        torch.tensor([0.5, -1.25, 3.0], dtype=torch.bfloat16),
+        torch.tensor([0.5, -1.25, 3.0], requires_grad=True),
+        np.array([1, 2, 3], dtype=np.int64),
+    ],
+    ids=["float64-array", "row-array", "bfloat16-tensor", "grad-tensor", "int-array"],
+)
+def test_arrays_and_tensors_are_vectors_without_a_list(given):
+    spec = parse_request_spec({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": given}]}, "x")
+    item = spec.interventions[0]
+    expected = np.array(given.detach().float().numpy() if isinstance(given, torch.Tensor) else given, dtype=np.float32)
+    assert isinstance(item.vector, np.ndarray) and item.vector.dtype == np.float32
+    assert np.array_equal(item.inline_vector, expected.reshape(-1))
+    dumped = spec.model_dump()["interventions"][0]["vector"]
+    assert dumped == expected.reshape(-1).tolist()  # logs and cache keys see plain numbers
+    assert parse_request_spec(json.loads(spec.model_dump_json())).interventions[0].vector == dumped
+    if isinstance(given, np.ndarray):  # a copy: changing the caller's array afterwards changes nothing
+        before = item.inline_vector.copy()
+        given[...] = 7
+        assert np.array_equal(item.inline_vector, before)
+    assert torch.equal(load_vector(item.inline_vector, 3), torch.from_numpy(expected.reshape(-1)))
+
+
+@pytest.mark.parametrize(
+    ("given", "fragment"),
+    [
+        (np.array([1.0, np.nan]), "entry 1 is nan; vectors must be finite"),
+        (torch.tensor([0.0, 2e6]), r"entry 1 is 2000000.0; entries lie within \+-1e\+06"),
+        (np.array([1e40, 0.0]), "entry 0 is 1e\\+40"),
+        (torch.tensor([1 + 1j]), "a torch.complex64 tensor; steering vectors are real numbers"),
+        (np.array(["a", "b"]), "an array of <U1"),
+        (np.array([True, False]), "an array of bool"),
+        (np.zeros((2, 2)), r"expected a 1-D array of numbers, got shape \(2, 2\)"),
+        (np.zeros(0), r"expected a 1-D array of numbers, got shape \(0,\)"),
+        ({"a": 1.0}, "a list of numbers, an array, a tensor or a file path, got dict"),
+    ],
+)
+def test_bad_arrays_and_tensors_are_refused_by_name(given, fragment):
+    with pytest.raises(SpecError, match=f"x: interventions.0.vector: vector: {fragment}"):
+        parse_request_spec({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": given}]}, "x")
 
 
 def shape(layers: int) -> ModelShape:

@@ -99,10 +99,18 @@ class PreparedRequest:
 
 @dataclass
 class VectorUpload:
-    """What ``tlvllm_put_vectors`` sends: the new vectors, and the unused ones the workers drop first."""
+    """What ``tlvllm_put_vectors`` sends: the new vectors (their keys, their widths, and their
+    float32 entries one after another in one buffer: no per-vector framing to build or parse),
+    and the unused ones the workers drop first."""
 
-    blob: bytes
+    keys: list[str]
+    widths: list[int]
+    data: bytes
     evict: list[str]
+
+    @property
+    def args(self) -> tuple[list[str], list[int], bytes, list[str]]:
+        return self.keys, self.widths, self.data, self.evict
 
 
 @dataclass
@@ -214,8 +222,12 @@ class Instrumentation:
                     vectors[encoder_key] = feature.encoder
                     encoder = EncoderWire(vector=encoder_key, bias=feature.bias, threshold=feature.threshold)
             elif item.vector is not None:
+                inline = item.inline_vector
                 vector = load_vector(
-                    item.vector, site.width, where=f"{where}: interventions[{i}].vector", width_of=width_of(site)
+                    item.vector if inline is None else inline,
+                    site.width,
+                    where=f"{where}: interventions[{i}].vector",
+                    width_of=width_of(site),
                 )
             mask_key = None
             if item.heads is not None:
@@ -325,8 +337,6 @@ class Instrumentation:
         """The upload that gives the workers' bank every vector of ``requests`` (None: they have
         them all).  Room is made by evicting vectors no request in flight uses, least recently
         used first; a SpecError when even that is not enough.  Nothing changes until ``hold``."""
-        from safetensors.torch import save
-
         fresh: dict[str, torch.Tensor] = {}
         for request in requests:
             if request is not None:
@@ -342,7 +352,10 @@ class Instrumentation:
                 f"max_vectors={self.settings.max_vectors} rows are used by requests in flight); boot with a "
                 "larger InstrumentConfig.max_vectors (-M max_vectors), or reuse vectors across samples"
             )
-        return VectorUpload(save(fresh), evict)
+        entries = torch.cat([vector.reshape(-1).to(torch.float32) for vector in fresh.values()])
+        return VectorUpload(
+            list(fresh), [vector.numel() for vector in fresh.values()], entries.numpy().tobytes(), evict
+        )
 
     def hold(self, requests: list[PreparedRequest | None], upload: VectorUpload | None) -> None:
         """Record that the workers applied ``upload`` and that ``requests`` now use their vectors

@@ -46,7 +46,7 @@ def upload(front: Instrumentation, requests: list[PreparedRequest | None]) -> St
     ``release_aborted``."""
     pending = front.pending_upload(requests)
     if pending is not None:
-        yield RpcCall("tlvllm_put_vectors", (pending.blob, pending.evict))
+        yield RpcCall("tlvllm_put_vectors", pending.args)
     front.hold(requests, pending)
 
 

@@ -168,16 +168,21 @@ class Controller:
             self.results[state.uid] = state
 
     # -- RPC ------------------------------------------------------------------------------
-    def put_vectors(self, blob: bytes, evict: list[str] | tuple[str, ...] = ()) -> int:
+    def put_vectors(
+        self, keys: list[str], widths: list[int], data: bytes, evict: list[str] | tuple[str, ...] = ()
+    ) -> int:
         """Drop the ``evict``ed vectors (no live request uses them: the front end counts users),
-        then write the new ones into free rows; returns how many vectors the bank holds."""
-        from safetensors.torch import load
-
+        then write the new ones (``keys``, each ``widths`` float32 entries of ``data`` in turn)
+        into free rows with one copy; returns how many vectors the bank holds."""
         for key in evict:
             row = self.bank_rows.pop(key, None)
             if row is not None:
                 self.free_rows.append(row)
-        fresh = {key: vector for key, vector in load(blob).items() if key not in self.bank_rows}
+        entries = torch.frombuffer(bytearray(data), dtype=torch.float32)
+        starts = np.cumsum([0, *widths])
+        if starts[-1] != entries.numel():
+            raise RuntimeError(f"vector upload: {entries.numel()} entries for widths summing to {starts[-1]}")
+        fresh = [(k, key) for k, key in enumerate(keys) if key not in self.bank_rows]
         if not fresh:
             return len(self.bank_rows)
         if len(fresh) > len(self.free_rows):
@@ -187,11 +192,15 @@ class Controller:
             )
         rows = [self.free_rows.pop() for _ in fresh]
         bank = self.runtime.bank
-        stacked = torch.zeros(len(fresh), bank.shape[1], dtype=torch.float32)  # narrower sites' vectors: zero-padded
-        for i, vector in enumerate(fresh.values()):
-            stacked[i, : vector.shape[0]] = vector.to(torch.float32)
+        width = bank.shape[1]
+        if len(fresh) == len(keys) and all(w == width for w in widths):
+            stacked = entries.view(len(keys), width)
+        else:  # some already held, or narrower sites' vectors: zero-padded rows
+            stacked = torch.zeros(len(fresh), width, dtype=torch.float32)
+            for i, (k, _) in enumerate(fresh):
+                stacked[i, : widths[k]] = entries[starts[k] : starts[k + 1]]
         bank[torch.tensor(rows, device=bank.device)] = stacked.to(bank.device)  # one copy, not one per vector
-        self.bank_rows.update(zip(fresh, rows, strict=True))
+        self.bank_rows.update(zip((key for _, key in fresh), rows, strict=True))
         return len(self.bank_rows)
 
     def fetch(self, wanted: list[list[Any]], ticket: list[str] | None = None) -> list[Any] | None:
@@ -331,8 +340,10 @@ class TLWorkerExtension:
             )
         return controller
 
-    def tlvllm_put_vectors(self, blob: bytes, evict: list[str] | tuple[str, ...] = ()) -> int:
-        return self._tl_controller().put_vectors(blob, evict)
+    def tlvllm_put_vectors(
+        self, keys: list[str], widths: list[int], data: bytes, evict: list[str] | tuple[str, ...] = ()
+    ) -> int:
+        return self._tl_controller().put_vectors(keys, widths, data, evict)
 
     def tlvllm_fetch(self, wanted: list[list[Any]], ticket: list[str] | None = None) -> list[Any] | None:
         return self._tl_controller().fetch(wanted, ticket)

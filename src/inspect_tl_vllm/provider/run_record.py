@@ -64,7 +64,7 @@ def _intervention(item: Any) -> dict[str, Any]:
     from inspect_tl_vllm.vectors.files import read_vector_file, vector_hash
 
     given = isinstance(item.vector, str)
-    vector = read_vector_file(item.vector) if given else torch.tensor(item.vector)
+    vector = read_vector_file(item.vector) if given else torch.from_numpy(item.inline_vector)
     vector = vector.to(torch.float32).flatten().contiguous()
     entry.update(
         vector=item.vector if given else "inline",

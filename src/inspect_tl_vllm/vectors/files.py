@@ -24,11 +24,20 @@ from inspect_tl_vllm.vectors.versions import FileVersion, file_version
 
 
 def load_vector(
-    ref: list[float] | str, width: int, *, where: str = "vector", width_of: str = "the model's hidden size"
+    ref: np.ndarray | list[float] | str,
+    width: int,
+    *,
+    where: str = "vector",
+    width_of: str = "the model's hidden size",
 ) -> torch.Tensor:
     """A 1-D float32 vector of ``width`` finite entries within ``MAX_VECTOR_ENTRY``, or a SpecError
-    naming ``where`` (and ``width_of``, what sets the width)."""
-    vector = (_from_floats(ref, where) if isinstance(ref, list) else read_vector_file(ref, where)).squeeze()
+    naming ``where`` (and ``width_of``, what sets the width).  ``ref``: an inline vector's entries
+    (``Intervention.inline_vector``, shared, not copied), a list of numbers, or a file."""
+    if isinstance(ref, np.ndarray):
+        vector = torch.from_numpy(ref)
+    else:
+        vector = _from_floats(ref, where) if isinstance(ref, list) else read_vector_file(ref, where)
+    vector = vector.squeeze()
     if vector.ndim != 1:
         raise SpecError(f"{where}: expected a 1-D vector, got shape {tuple(vector.shape)}")
     if vector.numel() != width:
