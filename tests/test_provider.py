@@ -304,21 +304,43 @@ def test_unknown_model_arg_is_named(tiny_llama_dir):
 
 
 def test_concurrent_first_requests_boot_one_engine(provider_args, tiny_llama_dir, tmp_path):
+    """With boot=background the model starts its engine and returns at once; four samples whose
+    first requests arrive while it boots all wait for that one engine."""
     from inspect_tl_vllm.provider import engine_pool
+    from inspect_tl_vllm.provider.model_api import TLVLLMAPI
 
-    args = {**provider_args, "max_num_seqs": 7}  # settings no other test uses: this eval boots the engine
+    # settings no other test boots (the tool test above refuses before booting): this eval boots the engine
+    args = {**provider_args, "max_num_seqs": 7, "boot": "background"}
+    built = TLVLLMAPI(str(tiny_llama_dir), **args)
+    assert not built.engine_thread.booted  # the constructor did not wait for the boot
     samples = [Sample(id=f"c{i}", input=q) for i, q in enumerate(QUESTIONS)]
     log = run_eval(tiny_llama_dir, args, samples, tmp_path, max_connections=4)
     assert log.status == "success"
     engine = engine_pool.engines()[engine_key(tiny_llama_dir, args)]
-    assert engine.boots == 1, f"{engine.boots} engines booted for one set of settings"
+    assert engine is built.engine_thread and engine.boots == 1, f"{engine.boots} engines booted for one set of settings"
+
+
+def test_a_background_boot_that_fails_fails_the_first_request_with_its_error(provider_args, tiny_llama_dir):
+    import asyncio
+
+    from inspect_tl_vllm.provider.model_api import TLVLLMAPI
+
+    args = {**provider_args, "max_model_len": 1 << 20, "boot": "background"}  # beyond the model's context
+    model = TLVLLMAPI(str(tiny_llama_dir), **args)  # returns: the boot fails on the engine's thread
+    engine = model.engine_thread
+    with pytest.raises(Exception, match="max_model_len"):
+        asyncio.run(engine.instrumented())  # the first request gets the background boot's own error
+    assert engine.boots == 1 and not engine.booted
+    with pytest.raises(Exception, match="max_model_len"):
+        asyncio.run(engine.instrumented())  # a later request boots afresh, as after a failed lazy boot
+    assert engine.boots == 2
 
 
 def test_eager_boot_starts_the_engine_before_any_request(provider_args, tiny_llama_dir):
     from inspect_tl_vllm import SpecError
     from inspect_tl_vllm.provider.model_api import TLVLLMAPI
 
-    with pytest.raises(SpecError, match="-M boot='soon'"):
+    with pytest.raises(SpecError, match="-M boot='soon': use lazy .*, background .* or eager"):
         TLVLLMAPI(str(tiny_llama_dir), boot="soon")
     lazy = TLVLLMAPI(str(tiny_llama_dir), **{**provider_args, "max_num_seqs": 3})
     assert not lazy.engine_thread.booted  # a model Inspect constructs but never calls costs nothing

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -26,6 +27,8 @@ from inspect_tl_vllm.specs import InstrumentConfig
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+BOOT_WAIT_AT_EXIT_S = 600
+"""How long closing waits for a background boot to end, so that its engine is shut down, not orphaned."""
 
 
 class EngineThread:
@@ -43,6 +46,7 @@ class EngineThread:
         self._kwargs = engine_kwargs
         self._lora = lora
         self._instrumented: InstrumentedLLM | None = None
+        self._background: concurrent.futures.Future[None] | None = None  # a boot started by boot_in_background
         self._boot_lock = asyncio.Lock()  # concurrent first requests must boot one engine, not one each
         self._tasks: set[asyncio.Task] = set()  # background work on the engine loop, kept referenced
         self.boots = 0
@@ -62,7 +66,12 @@ class EngineThread:
             return self.loop
 
     async def instrumented(self) -> InstrumentedLLM:
-        """The engine, booted on first use (on the engine thread, off Inspect's loop)."""
+        """The engine, booted on first use (on the engine thread, off Inspect's loop).  A boot
+        started in the background is awaited; if it failed, the request that finds it raises
+        its error, and a later request boots afresh (as after a failed boot at first use)."""
+        background, self._background = self._background, None
+        if background is not None:
+            await asyncio.wrap_future(background)
         if self._instrumented is None:
             await self.run(self._boot)
         assert self._instrumented is not None
@@ -98,6 +107,13 @@ class EngineThread:
         """Boot from synchronous code and wait (``-M boot=eager``: errors before the eval starts)."""
         asyncio.run_coroutine_threadsafe(self._boot(), self._start()).result()
 
+    def boot_in_background(self) -> None:
+        """Start booting and return at once (``-M boot=background``): vLLM's engine process loads
+        and compiles the model while Inspect sets up the eval and starts its samples, so the first
+        request waits only for what is left of the boot."""
+        if self._instrumented is None and self._background is None:
+            self._background = asyncio.run_coroutine_threadsafe(self._boot(), self._start())
+
     async def run(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
         """Run ``make()`` on the engine loop and await its result from the caller's loop."""
         future = asyncio.run_coroutine_threadsafe(make(), self._start())
@@ -120,6 +136,9 @@ class EngineThread:
     def close(self) -> None:
         if self.loop is None:
             return
+        if self._background is not None:  # a boot nobody waited for: let it end, then shut its engine down
+            with contextlib.suppress(Exception):
+                self._background.result(timeout=BOOT_WAIT_AT_EXIT_S)
         if self._instrumented is not None:
             engine = self._instrumented.llm
             self._instrumented = None

@@ -84,6 +84,8 @@ class TLVLLMAPI(ModelAPI):
         )
         if self.settings.boot == "eager" and not self.engine_thread.booted:
             self.engine_thread.boot_now()
+        elif self.settings.boot == "background":
+            self.engine_thread.boot_in_background()
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)

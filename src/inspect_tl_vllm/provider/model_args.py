@@ -50,6 +50,10 @@ PROVIDER_ARGS = (
     "lora",
 )
 
+BOOT_MODES = ("lazy", "background", "eager")
+"""When the engine boots: at the first request, starting when the model is built (the first
+request waits for it), or while the model is built (its errors before the eval starts)."""
+
 
 @dataclass
 class ProviderSettings:
@@ -156,8 +160,11 @@ def parse_model_args(args: dict[str, Any]) -> ProviderSettings:
         where = "-M capture_sae" if args.get("capture_sae") else "-M capture"
         spec = spec.merged(parse_request_spec({"capture": capture}, where))
     boot = str(args.get("boot", "lazy"))
-    if boot not in ("lazy", "eager"):
-        raise SpecError(f"-M boot={boot!r}: use lazy (at the first request) or eager (before the eval starts)")
+    if boot not in BOOT_MODES:
+        raise SpecError(
+            f"-M boot={boot!r}: use lazy (at the first request), background (start when the model is built, "
+            "wait at the first request) or eager (before the eval starts)"
+        )
     return ProviderSettings(
         engine,
         instrument,
