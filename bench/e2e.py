@@ -31,7 +31,10 @@ every variant once on one sample, untimed, so that each timed run starts with a 
 ``--out`` is rewritten after every variant, so a run cut short keeps the variants it finished.
 
 ``tl-vllm`` boots with ``-M boot=eager`` so that its generation phase excludes the engine
-start.  Inspect's ``vllm/`` provider would start its server inside the first model call, so
+start; ``tl_background`` is ``tl`` with ``-M boot=background`` (the engine starts while Inspect
+sets up the eval; its first model call waits for the rest of the boot, so compare its wall time
+and its timeline's ``first model call answered``, not its generation phase).  Inspect's
+``vllm/`` provider would start its server inside the first model call, so
 its model events would span the server start; this script therefore starts the same
 ``vllm serve`` server itself (plain vLLM: ``VLLM_PLUGINS=""``), times it until ``/health`` answers,
 points ``vllm/`` at it with ``-M port=...``, stops it when the eval exits (as ``vllm/`` stops
@@ -198,7 +201,8 @@ def run_variant(
         model, engine, extra = f"vllm/{model_path}", [], ["-M", f"port={port}"]
         inspect = [sys.executable, "-m", "inspect_ai"]
     else:
-        model, extra = f"tl-vllm/{model_path}", ["-M", "boot=eager"]
+        boot = "background" if name == "tl_background" else "eager"
+        model, extra = f"tl-vllm/{model_path}", ["-M", f"boot={boot}"]
         extra += STEER + CAPTURE if name == "tl_steer_capture" else []
         inspect = [sys.executable, str(Path(__file__).with_name("inspect_timeline.py")), str(timeline)]
     command = [

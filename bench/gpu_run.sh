@@ -13,6 +13,8 @@
 #                                          # profiles plain before the first and after the last (~3 min)
 #   bash bench/gpu_run.sh e2e-warm OUTDIR # inspect eval: vllm/ vs tl-vllm steered and captured, caches warm (~8 min)
 #   bash bench/gpu_run.sh e2e-connections OUTDIR  # tl-vllm with --max-connections 256 vs its default (~5 min)
+#   bash bench/gpu_run.sh e2e-boot OUTDIR  # tl-vllm booting at the model's construction (eager) vs in the
+#                                          # background while Inspect starts the eval, caches warm (~5 min)
 #   bash bench/gpu_run.sh e2e-equal OUTDIR  # vllm/ vs tl-vllm plain and steered + captured, every sample
 #                                          # exactly 256 tokens (ignore_eos), caches warm (~9 min; cut off at
 #                                          # 570 s, its JSON keeps the variants it finished)
@@ -72,7 +74,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh install|check|quick|quantized|quant-tests|fp8-1b|gptq-1b|lora-1b|v2-check|verify-V1|verify-V2|runners-1b|runners-8b|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-equal|smol|smol-plain|1b|1b-long|1b-pinned|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
+step=${1:?usage: gpu_run.sh install|check|quick|quantized|quant-tests|fp8-1b|gptq-1b|lora-1b|v2-check|verify-V1|verify-V2|runners-1b|runners-8b|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-boot|e2e-equal|smol|smol-plain|1b|1b-long|1b-pinned|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -147,6 +149,10 @@ case "$step" in
   e2e-warm)
     timeout 570 python3 bench/e2e.py --samples 256 --timeout 185 --warm-up --variants vllm,tl_steer_capture \
       --out "$out/e2e_warm.json" >"$log" 2>&1
+    ;;
+  e2e-boot)
+    timeout 570 python3 bench/e2e.py --samples 256 --timeout 185 --warm-up --variants tl,tl_background \
+      --out "$out/e2e_boot.json" >"$log" 2>&1
     ;;
   e2e-equal)
     timeout 570 python3 bench/e2e.py --samples 256 --max-tokens 256 --timeout 185 --warm-up --ignore-eos \

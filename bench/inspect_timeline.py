@@ -6,9 +6,9 @@ Runs Inspect's command line unchanged, after wrapping a few provider functions s
 seconds since this process started are recorded when Inspect is imported, when the
 provider's module is (it brings torch), when the model's constructor starts, when vLLM's
 engine classes are imported, when the engine starts and is ready, when the constructor
-returns (with ``-M boot=eager`` the engine boots inside it), and when the first model call
-starts.  The wrappers only take timestamps; the marks are written to TIMELINE.json when the
-command exits.
+returns (with ``-M boot=eager`` the engine boots inside it; with ``-M boot=background`` it
+starts there), and when the first model call starts and when it is answered.  The wrappers
+only take timestamps; the marks are written to TIMELINE.json when the command exits.
 """
 
 from __future__ import annotations
@@ -73,7 +73,9 @@ def instrument() -> None:
     @functools.wraps(generate)
     async def first_call(self: Any, *args: Any, **kwargs: Any) -> Any:
         mark("first model call")
-        return await generate(self, *args, **kwargs)
+        result = await generate(self, *args, **kwargs)
+        mark("first model call answered")
+        return result
 
     model_api.TLVLLMAPI.generate = first_call
 

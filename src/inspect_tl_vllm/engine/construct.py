@@ -192,6 +192,16 @@ def construct_instrumented_llm(
     return InstrumentedLLM(engine, instrumentation, model_path, async_engine, adapter, request)
 
 
+def import_engine_classes() -> None:
+    """Import vLLM's async engine classes now, on the calling thread, before a boot in another
+    thread needs them.  That thread would otherwise import them while this one imports packages
+    they share (Inspect imports the OpenAI and Anthropic SDKs at a sample's start; vLLM's config
+    imports OpenAI's): two threads inside one package's circular imports can see a module half
+    initialised (``KeyError`` on ``openai.types.responses``, seen on the CPU machine)."""
+    from vllm.engine.arg_utils import AsyncEngineArgs  # noqa: F401
+    from vllm.v1.engine.async_llm import AsyncLLM  # noqa: F401
+
+
 async def load_adapter(instrumented: InstrumentedLLM) -> None:
     """Load an async engine's adapter into its workers (the offline engine's is loaded at construction)."""
     if instrumented.lora_request is not None:

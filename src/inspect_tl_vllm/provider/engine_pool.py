@@ -20,7 +20,12 @@ import time
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any, TypeVar
 
-from inspect_tl_vllm.engine.construct import InstrumentedLLM, construct_instrumented_llm, load_adapter
+from inspect_tl_vllm.engine.construct import (
+    InstrumentedLLM,
+    construct_instrumented_llm,
+    import_engine_classes,
+    load_adapter,
+)
 from inspect_tl_vllm.engine.exits import oom_kills
 from inspect_tl_vllm.engine.frontend import adopt_worker_status, merge_status
 from inspect_tl_vllm.specs import InstrumentConfig
@@ -112,6 +117,7 @@ class EngineThread:
         and compiles the model while Inspect sets up the eval and starts its samples, so the first
         request waits only for what is left of the boot."""
         if self._instrumented is None and self._background is None:
+            import_engine_classes()
             self._background = asyncio.run_coroutine_threadsafe(self._boot(), self._start())
 
     async def run(self, make: Callable[[], Coroutine[Any, Any, T]]) -> T:
