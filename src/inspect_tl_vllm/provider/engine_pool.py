@@ -32,8 +32,6 @@ from inspect_tl_vllm.specs import InstrumentConfig
 
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
-BOOT_WAIT_AT_EXIT_S = 600
-"""How long closing waits for a background boot to end, so that its engine is shut down, not orphaned."""
 
 
 class EngineThread:
@@ -142,9 +140,6 @@ class EngineThread:
     def close(self) -> None:
         if self.loop is None:
             return
-        if self._background is not None:  # a boot nobody waited for: let it end, then shut its engine down
-            with contextlib.suppress(Exception):
-                self._background.result(timeout=BOOT_WAIT_AT_EXIT_S)
         if self._instrumented is not None:
             engine = self._instrumented.llm
             self._instrumented = None
