@@ -33,7 +33,9 @@ every variant once on one sample, untimed, so that each timed run starts with a 
 ``tl-vllm`` boots with ``-M boot=eager`` so that its generation phase excludes the engine
 start; ``tl_background`` is ``tl`` with ``-M boot=background`` (the engine starts while Inspect
 sets up the eval; its first model call waits for the rest of the boot, so compare its wall time
-and its timeline's ``first model call answered``, not its generation phase).  Inspect's
+and its timeline's ``first model call answered``, not its generation phase); ``tl_capture_all``
+is ``tl`` capturing every layer's residual stream per prompt token (bfloat16), each sample's rows
+stored beside the log as the sample ends, while others still generate.  Inspect's
 ``vllm/`` provider would start its server inside the first model call, so
 its model events would span the server start; this script therefore starts the same
 ``vllm serve`` server itself (plain vLLM: ``VLLM_PLUGINS=""``), times it until ``/health`` answers,
@@ -63,6 +65,10 @@ from inspect_ai.solver import generate
 ROOT = Path(__file__).resolve().parent.parent
 STEER = ["-M", f"steer={ROOT / 'evals/steer_ocean.yaml'}"]
 CAPTURE = ["-M", "capture=blocks.12.hook_resid_post", "-M", "capture_reduce=mean"]
+CAPTURE_ALL = [  # throughput.py's capture_all, through the provider: stored beside the log as each sample ends
+    *("-M", "capture=blocks.0.hook_resid_pre,blocks.*.hook_resid_post", "-M", "capture_positions=prompt"),
+    *("-M", "capture_dtype=bfloat16", "-M", "capture_reduce=none"),
+]
 
 
 @task
@@ -204,6 +210,7 @@ def run_variant(
         boot = "background" if name == "tl_background" else "eager"
         model, extra = f"tl-vllm/{model_path}", ["-M", f"boot={boot}"]
         extra += STEER + CAPTURE if name == "tl_steer_capture" else []
+        extra += CAPTURE_ALL if name == "tl_capture_all" else []
         inspect = [sys.executable, str(Path(__file__).with_name("inspect_timeline.py")), str(timeline)]
     command = [
         *inspect, "eval", f"{Path(__file__).resolve()}@e2e_questions",

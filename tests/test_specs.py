@@ -151,6 +151,17 @@ def test_arrays_and_tensors_are_vectors_without_a_list(given):
     assert torch.equal(load_vector(item.inline_vector, 3), torch.from_numpy(expected.reshape(-1)))
 
 
+def test_specs_with_array_vectors_compare_by_their_entries():
+    def spec(vector):
+        return parse_request_spec({"interventions": [{"hook": "blocks.1.hook_resid_post", "vector": vector}]})
+
+    assert spec(np.arange(3.0)) == spec(torch.arange(3.0))
+    assert spec(np.arange(3.0)) != spec(np.arange(1.0, 4.0))
+    assert spec(np.arange(3.0)) != spec("v.safetensors") and spec("v.safetensors") != spec(np.arange(3.0))
+    assert spec("v.safetensors") == spec("v.safetensors")
+    assert spec([0.0, 1.0, 2.0]) == spec([0.0, 1.0, 2.0])
+
+
 @pytest.mark.parametrize(
     ("given", "fragment"),
     [
