@@ -65,10 +65,17 @@ from inspect_ai.solver import generate
 ROOT = Path(__file__).resolve().parent.parent
 STEER = ["-M", f"steer={ROOT / 'evals/steer_ocean.yaml'}"]
 CAPTURE = ["-M", "capture=blocks.12.hook_resid_post", "-M", "capture_reduce=mean"]
-CAPTURE_ALL = [  # throughput.py's capture_all, through the provider: stored beside the log as each sample ends
-    *("-M", "capture=blocks.0.hook_resid_pre,blocks.*.hook_resid_post", "-M", "capture_positions=prompt"),
-    *("-M", "capture_dtype=bfloat16", "-M", "capture_reduce=none"),
-]
+
+
+def capture_all(model_path: str) -> list[str]:
+    """throughput.py's capture_all through the provider (every layer's residual stream per prompt
+    token, bfloat16), each sample's rows stored beside the log as the sample ends."""
+    from transformers import AutoConfig
+
+    layers = AutoConfig.from_pretrained(model_path).num_hidden_layers
+    hooks = ",".join(["blocks.0.hook_resid_pre", *(f"blocks.{i}.hook_resid_post" for i in range(layers))])
+    positions = ["-M", "capture_positions=prompt", "-M", "capture_reduce=none", "-M", "capture_dtype=bfloat16"]
+    return ["-M", f"capture={hooks}", *positions]
 
 
 @task
@@ -210,7 +217,7 @@ def run_variant(
         boot = "background" if name == "tl_background" else "eager"
         model, extra = f"tl-vllm/{model_path}", ["-M", f"boot={boot}"]
         extra += STEER + CAPTURE if name == "tl_steer_capture" else []
-        extra += CAPTURE_ALL if name == "tl_capture_all" else []
+        extra += capture_all(model_path) if name == "tl_capture_all" else []
         inspect = [sys.executable, str(Path(__file__).with_name("inspect_timeline.py")), str(timeline)]
     command = [
         *inspect, "eval", f"{Path(__file__).resolve()}@e2e_questions",
