@@ -11,7 +11,7 @@ import torch
 
 from inspect_tl_vllm.instrument.hookpoints import ModelShape, build_sites, canonical_hook_point, layout_for
 from inspect_tl_vllm.instrument.request_state import Scope
-from inspect_tl_vllm.specs import InstrumentConfig, SpecError, parse_hook_point, parse_request_spec
+from inspect_tl_vllm.specs import InstrumentConfig, SpecError, inline_entries, parse_hook_point, parse_request_spec
 from inspect_tl_vllm.vectors.files import load_vector
 
 
@@ -102,15 +102,15 @@ def test_vector_files_out_of_range_or_not_real_are_refused(tmp_path):
     torch.save(torch.tensor([1 + 1j, 0j]), tmp_path / "complex.pt")
     with pytest.raises(SpecError, match="complex64 tensor"):
         load_vector(str(tmp_path / "complex.pt"), 2)
-    with pytest.raises(SpecError, match="beyond float32's range"):
-        load_vector([3.5e38, 3.5e38], 2)  # the engine-side loader checks inline numbers on its own too
+    with pytest.raises(SpecError, match=r"entry 0 is 3.5e\+38; entries lie within \+-1e\+06"):
+        inline_entries([3.5e38, 3.5e38])  # beyond float32: the packing of an inline list names the entry
 
 
 def test_inline_vectors_become_exact_float32_tensors():
     values = [0.1, -2.5, 3, 1e-30]
-    assert torch.equal(load_vector(values, 4), torch.tensor(values, dtype=torch.float32))
+    assert torch.equal(load_vector(inline_entries(values), 4), torch.tensor(values, dtype=torch.float32))
     with pytest.raises(SpecError, match="entries must be numbers"):
-        load_vector([1.0, "x"], 2)
+        inline_entries([1.0, "x"])
 
 
 def test_a_list_vector_is_packed_once_when_the_spec_is_checked():

@@ -181,6 +181,8 @@ def inline_entries(value: list[float]) -> np.ndarray:
             f"vector: entry {bad} is {value[bad]}; entries lie within +-{MAX_VECTOR_ENTRY:g} "
             "(scale the vector down and raise coef instead)"
         ) from None
+    except struct.error as err:  # a list put in place after validation, unchecked
+        raise SpecError(f"vector: entries must be numbers ({err})") from None
     entries = np.frombuffer(bytearray(packed), dtype=np.float32)  # writable: torch shares it without a copy
     _check_array_entries(entries, lambda bad: value[bad])
     return entries

@@ -11,7 +11,6 @@ import json
 import pickle
 import re
 import stat
-import struct
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -24,7 +23,7 @@ from inspect_tl_vllm.vectors.versions import FileVersion, file_version
 
 
 def load_vector(
-    ref: np.ndarray | list[float] | str,
+    ref: np.ndarray | str,
     width: int,
     *,
     where: str = "vector",
@@ -32,11 +31,8 @@ def load_vector(
 ) -> torch.Tensor:
     """A 1-D float32 vector of ``width`` finite entries within ``MAX_VECTOR_ENTRY``, or a SpecError
     naming ``where`` (and ``width_of``, what sets the width).  ``ref``: an inline vector's entries
-    (``Intervention.inline_vector``, shared, not copied), a list of numbers, or a file."""
-    if isinstance(ref, np.ndarray):
-        vector = torch.from_numpy(ref)
-    else:
-        vector = _from_floats(ref, where) if isinstance(ref, list) else read_vector_file(ref, where)
+    (``Intervention.inline_vector``, shared, not copied) or a file."""
+    vector = torch.from_numpy(ref) if isinstance(ref, np.ndarray) else read_vector_file(ref, where)
     vector = vector.squeeze()
     if vector.ndim != 1:
         raise SpecError(f"{where}: expected a 1-D vector, got shape {tuple(vector.shape)}")
@@ -56,20 +52,6 @@ def load_vector(
             f"+-{MAX_VECTOR_ENTRY:g} (scale the vector down and raise coef instead)"
         )
     return vector
-
-
-def _from_floats(values: list[float], where: str) -> torch.Tensor:
-    """A float32 tensor from a list of numbers: packing them is about 3x faster than
-    ``np.asarray`` and 15x faster than ``torch.tensor`` on thousands of floats."""
-    try:
-        packed = bytearray(struct.pack(f"<{len(values)}f", *values))
-    except OverflowError:
-        raise SpecError(f"{where}: an entry is beyond float32's range (about 3.4e38)") from None
-    except struct.error as err:
-        raise SpecError(f"{where}: entries must be numbers ({err})") from None
-    if not packed:
-        return torch.zeros(0)
-    return torch.frombuffer(packed, dtype=torch.float32)
 
 
 def split_vector_ref(ref: str) -> tuple[Path, str]:
