@@ -31,6 +31,8 @@
 #   bash bench/gpu_run.sh runners-1b OUTDIR  # throughput, Llama-3.2-1B shape, the five variants, 5 rounds on V2's two
 #                                          # engines, then on V1's, each runner against its own vanilla (~8 min)
 #   bash bench/gpu_run.sh runners-8b OUTDIR  # the same in the Llama-3-8B shape, 3 rounds (~9 min)
+#   bash bench/gpu_run.sh steer-1b OUTDIR  # 1B shape: vanilla, plain, steer with tensors and with lists, 5 rounds,
+#                                          # on V2 then on V1 (~9 min)
 #
 # Quantized weights and LoRA adapters, and the GPU runs of the CPU suite's per-head and adapter tests:
 #   bash bench/gpu_run.sh quantized OUTDIR  # install; quantized_check.py: steering, head ablation and capture
@@ -76,7 +78,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh install|check|quick|quantized|quant-tests|fp8-1b|gptq-1b|lora-1b|v2-check|verify-V1|verify-V2|runners-1b|runners-8b|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-boot|e2e-store|e2e-equal|smol|smol-plain|1b|1b-long|1b-pinned|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
+step=${1:?usage: gpu_run.sh install|check|quick|quantized|quant-tests|fp8-1b|gptq-1b|lora-1b|v2-check|verify-V1|verify-V2|steer-1b|runners-1b|runners-8b|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-boot|e2e-store|e2e-equal|smol|smol-plain|1b|1b-long|1b-pinned|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -240,6 +242,13 @@ case "$step" in
     VLLM_USE_V2_MODEL_RUNNER=$([ "$runner" = V2 ] && echo 1 || echo 0) timeout -k 15 280 \
       python3 -m inspect_tl_vllm.verify --compiled >"$out/verify_$runner.log" 2>&1
     echo "[gpu_run] verify on $runner exited $?" | tee -a "$log"
+    ;;
+  steer-1b)  # steering with vectors as tensors (the Python API's path) and as lists (a JSON spec's), V2 then V1
+    for runner in V2 V1; do
+      timeout 255 python3 bench/throughput.py --model llama1b-shape --prompts 256 --new-tokens 256 --runs 5 \
+        --weights scaled --variants vanilla,plain,steer,steer_list --runners $runner \
+        --out "$out/throughput_1b_steer_$runner.json" >>"$log" 2>&1
+    done
     ;;
   runners-1b | runners-8b)  # V2's pair of engines (vanilla, instrumented), then V1's, each runner against its own vanilla
     size=${step#runners-}

@@ -34,9 +34,9 @@ TINY = {
 TINY_MODEL_ARGS_CLI = ["-M", "enforce_eager=true", "-M", "dtype=float32", "-M", "max_model_len=256"]
 """`-M` flags for an eager fp32 engine on the tiny model, as the command lines take them."""
 PROVIDER_ARGS = {"enforce_eager": True, "dtype": "float32", "max_model_len": 256, "seed": 0}
+"""Model args of an eager fp32 provider engine on the tiny model (``provider_model_args``)."""
 VLLM_VERSION = installed_vllm()
 """The vLLM release under test (scripts/test.sh runs the engine tests on each supported one)."""
-"""Model args of an eager fp32 provider engine on the tiny model (``provider_model_args``)."""
 
 
 def eval_spec(eval_id: str, model_args: dict | None = None):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -120,6 +121,41 @@ def long_run():
     )
 """
 SHARED_MEMORY = Path("/dev/shm")
+HANDOFF_OWNER = re.compile(r"tlvllm-handoff-\d+\.(\d+)-")
+
+
+def _held_elsewhere(entries: set[Path]) -> set[Path]:
+    """The entries that a live process holds: mapped or open, or a hand-off folder whose owner
+    runs.  The session under test has ended, so these belong to other programs (another test
+    run on the machine), not to it."""
+    held = set()
+    for entry in entries:
+        owner = HANDOFF_OWNER.match(entry.name)
+        if owner and _stat(int(owner.group(1))):
+            held.add(entry)
+    names = {str(entry): entry for entry in entries - held}
+    for proc in Path("/proc").iterdir():
+        if not (names and proc.name.isdigit()):
+            continue
+        with contextlib.suppress(OSError):
+            open_paths = {os.readlink(fd) for fd in (proc / "fd").iterdir()}
+            mapped = (proc / "maps").read_text()
+            for name in list(names):
+                if name in open_paths or name in mapped:
+                    held.add(names.pop(name))
+    return held
+
+
+def _left_in_shared_memory(before: set[Path], settle_s: float = 3.0) -> list[str]:
+    """What the ended session left in /dev/shm: entries new since ``before`` that no live process
+    holds, and that are still there ``settle_s`` later (another program's short-lived entries are not)."""
+    new = set(SHARED_MEMORY.iterdir()) - before
+    new -= _held_elsewhere(new)
+    if new:
+        time.sleep(settle_s)
+        new &= set(SHARED_MEMORY.iterdir())
+        new -= _held_elsewhere(new)
+    return sorted(str(path) for path in new)
 
 
 def _session(sid: int) -> list[Process]:
@@ -171,7 +207,7 @@ def test_an_interrupted_eval_leaves_no_engine_process_or_shared_memory(
         eval_process.wait(timeout=GONE_TIMEOUT_S * 4 if signum == signal.SIGINT else GONE_TIMEOUT_S)
         survivors = _wait_until_gone(_session(eval_process.pid), GONE_TIMEOUT_S)
         assert not survivors, f"still running: {[_cmdline(pid) for pid, _ in survivors]}"
-        left = sorted(str(path) for path in set(SHARED_MEMORY.iterdir()) - shared_before)
+        left = _left_in_shared_memory(shared_before)
         assert not left, f"left in /dev/shm: {left}\n{log_file.read_text()[-3000:]}"
     finally:
         eval_process.kill()  # a no-op once it is reaped
@@ -238,3 +274,26 @@ def test_watchdog_only_in_vllm_children_once_and_ends_them_with_their_parent() -
         owner.kill()  # a no-op once it is reaped
         _kill_all(list(children.values()))
         owner.join(timeout=10)
+
+
+def test_shared_memory_left_by_an_ended_session_is_told_from_another_programs() -> None:
+    """The check above reports what nobody holds, and leaves out what a live process holds (a
+    test run beside this one): an entry it has open, and a hand-off folder of a live owner."""
+    before = set(SHARED_MEMORY.iterdir())
+    left = SHARED_MEMORY / f"tlvllm-test-left-{os.getpid()}"
+    held = SHARED_MEMORY / f"tlvllm-test-held-{os.getpid()}"
+    live_handoff = SHARED_MEMORY / f"tlvllm-handoff-0.{os.getpid()}-test"
+    holder = None
+    try:
+        left.write_bytes(b"x")
+        held.write_bytes(b"x")
+        live_handoff.mkdir()
+        holder = subprocess.Popen(["sleep", "30"], stdin=held.open("rb"))
+        assert _left_in_shared_memory(before, settle_s=0.1) == [str(left)]
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait()
+        for path in (left, held):
+            path.unlink(missing_ok=True)
+        live_handoff.rmdir()
