@@ -32,7 +32,7 @@
 #                                          # engines, then on V1's, each runner against its own vanilla (~8 min)
 #   bash bench/gpu_run.sh runners-8b OUTDIR  # the same in the Llama-3-8B shape, 3 rounds (~9 min)
 #   bash bench/gpu_run.sh steer-1b OUTDIR  # 1B shape: vanilla, plain, steer with tensors and with lists, 5 rounds,
-#                                          # on V2 then on V1 (~9 min)
+#                                          # on V2 then on V1 (~9 min; RUNNERS=V2: V2 only, ~4 min)
 #
 # Quantized weights and LoRA adapters, and the GPU runs of the CPU suite's per-head and adapter tests:
 #   bash bench/gpu_run.sh quantized OUTDIR  # install; quantized_check.py: steering, head ablation and capture
@@ -244,7 +244,7 @@ case "$step" in
     echo "[gpu_run] verify on $runner exited $?" | tee -a "$log"
     ;;
   steer-1b)  # steering with vectors as tensors (the Python API's path) and as lists (a JSON spec's), V2 then V1
-    for runner in V2 V1; do
+    for runner in ${RUNNERS:-V2 V1}; do
       timeout 255 python3 bench/throughput.py --model llama1b-shape --prompts 256 --new-tokens 256 --runs 5 \
         --weights scaled --variants vanilla,plain,steer,steer_list --runners $runner \
         --out "$out/throughput_1b_steer_$runner.json" >>"$log" 2>&1
