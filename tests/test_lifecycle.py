@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -121,17 +120,18 @@ def long_run():
     )
 """
 SHARED_MEMORY = Path("/dev/shm")
-HANDOFF_OWNER = re.compile(r"tlvllm-handoff-\d+\.(\d+)-")
 
 
 def _held_elsewhere(entries: set[Path]) -> set[Path]:
     """The entries that a live process holds: mapped or open, or a hand-off folder whose owner
     runs.  The session under test has ended, so these belong to other programs (another test
     run on the machine), not to it."""
+    from inspect_tl_vllm.engine.handoff import _OWNER  # the hand-off folder's name: pid namespace, pid
+
     held = set()
     for entry in entries:
-        owner = HANDOFF_OWNER.match(entry.name)
-        if owner and _stat(int(owner.group(1))):
+        owner = _OWNER.match(entry.name)
+        if owner and _stat(int(owner[2])):
             held.add(entry)
     names = {str(entry): entry for entry in entries - held}
     for proc in Path("/proc").iterdir():
@@ -279,10 +279,12 @@ def test_watchdog_only_in_vllm_children_once_and_ends_them_with_their_parent() -
 def test_shared_memory_left_by_an_ended_session_is_told_from_another_programs() -> None:
     """The check above reports what nobody holds, and leaves out what a live process holds (a
     test run beside this one): an entry it has open, and a hand-off folder of a live owner."""
+    from inspect_tl_vllm.engine.handoff import PREFIX
+
     before = set(SHARED_MEMORY.iterdir())
     left = SHARED_MEMORY / f"tlvllm-test-left-{os.getpid()}"
     held = SHARED_MEMORY / f"tlvllm-test-held-{os.getpid()}"
-    live_handoff = SHARED_MEMORY / f"tlvllm-handoff-0.{os.getpid()}-test"
+    live_handoff = SHARED_MEMORY / f"{PREFIX}0.{os.getpid()}-test"
     holder = None
     try:
         left.write_bytes(b"x")
