@@ -193,10 +193,14 @@ def cpu_hook_runtime(hidden_size: int, *, sites: tuple[int, ...] = (0,), max_sta
     )  # fmt: skip
 
 
+TINY_ENGINE_INSTRUMENT = {"hook_points": ["all"], "max_stack": 2}
+"""The shared ``tiny_engine``'s instrumentation: every hook point, two stages a site."""
+
+
 @pytest.fixture(scope="session")
 def tiny_engine(vllm_ready: None, tiny_llama_dir: Path):
     """Eager fp32 engine on the tiny model with every hook point instrumented."""
-    return boot_engine(tiny_llama_dir, instrument={"hook_points": ["all"], "max_stack": 2})
+    return boot_engine(tiny_llama_dir, instrument=TINY_ENGINE_INSTRUMENT)
 
 
 def assert_batch_matches_solo(engine, prompts: list, specs: list, max_tokens: int = 8) -> list:

