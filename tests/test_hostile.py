@@ -209,6 +209,7 @@ def test_non_finite_captures_fail_their_request_only(tiny_engine, tiny_llama_dir
 
 
 def overflow_one_batch(engine, baseline) -> None:
+    """The overflow test on ``engine``, whose known answer before it is ``baseline``."""
     from inspect_tl_vllm.engine.frontend import SteeringNotApplied
 
     sites = (
