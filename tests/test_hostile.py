@@ -194,46 +194,40 @@ NAN_LEAK = (
 
 
 @pytest.mark.xfail(NAN_IN_KV_CACHE_LEAKS, strict=True, reason=NAN_LEAK)
-def test_non_finite_captures_fail_their_request_only(tiny_engine, tiny_llama_dir):
+def test_non_finite_captures_fail_their_request_only(tiny_engine, baseline, tiny_llama_dir):
     """Scaling the residual stream by 1e6 eight times overflows float32: the rows captured after
     it are inf or NaN.  Per-token and pooled captures of them each fail their own request, with
     the hook named; a clean request in the same batch keeps its result, and the engine serves on.
 
     Where NaN left in the KV cache leaks into later requests, the test runs on an engine of its
     own: on the shared one, the NaN it leaves would fail whichever later test reuses those blocks."""
-    with contextlib.ExitStack() as own:
-        engine = tiny_engine
-        if NAN_IN_KV_CACHE_LEAKS:
-            engine = own.enter_context(booted_engine(tiny_llama_dir, instrument=TINY_ENGINE_INSTRUMENT))
-        overflow_one_batch(engine, known_answer(engine))
-
-
-def overflow_one_batch(engine, baseline) -> None:
-    """The overflow test on ``engine``, whose known answer before it is ``baseline``."""
     from inspect_tl_vllm.engine.frontend import SteeringNotApplied
 
-    sites = (
-        "blocks.0.hook_resid_pre",
-        "blocks.0.hook_resid_mid",
-        "blocks.0.hook_resid_post",
-        "blocks.1.hook_resid_mid",
-    )
-    blow_up = [{"hook": site, "op": "scale", "coef": 1e6} for site in sites for _ in range(2)]
-    hook = "blocks.2.hook_resid_post"
-    specs = [
-        {"interventions": blow_up, "capture": {"hooks": [hook], "positions": "prompt"}},
-        KNOWN_SPEC,
-        {"interventions": blow_up, "capture": {"hooks": [hook], "reduce": "mean"}},
-    ]
-    results = engine.generate([KNOWN_PROMPT] * 3, specs=specs, max_tokens=6, strict=False)
-    for failed in (results[0], results[2]):
-        assert failed.receipt["error"].startswith(f"the activations captured at {hook} are not finite")
-        with pytest.raises(SteeringNotApplied, match="not finite"):
-            engine.generate(KNOWN_PROMPT, specs=[specs[0]], max_tokens=6)
-    assert results[1].receipt["error"] is None
-    for name, rows in baseline.activations.items():
-        assert torch.equal(results[1].activations[name], rows)
-    assert_engine_serves_the_known_request(engine, baseline)
+    own = booted_engine(tiny_llama_dir, instrument=TINY_ENGINE_INSTRUMENT) if NAN_IN_KV_CACHE_LEAKS else None
+    with own or contextlib.nullcontext(tiny_engine) as engine:
+        reference = known_answer(engine) if own else baseline
+        sites = (
+            "blocks.0.hook_resid_pre",
+            "blocks.0.hook_resid_mid",
+            "blocks.0.hook_resid_post",
+            "blocks.1.hook_resid_mid",
+        )
+        blow_up = [{"hook": site, "op": "scale", "coef": 1e6} for site in sites for _ in range(2)]
+        hook = "blocks.2.hook_resid_post"
+        specs = [
+            {"interventions": blow_up, "capture": {"hooks": [hook], "positions": "prompt"}},
+            KNOWN_SPEC,
+            {"interventions": blow_up, "capture": {"hooks": [hook], "reduce": "mean"}},
+        ]
+        results = engine.generate([KNOWN_PROMPT] * 3, specs=specs, max_tokens=6, strict=False)
+        for failed in (results[0], results[2]):
+            assert failed.receipt["error"].startswith(f"the activations captured at {hook} are not finite")
+            with pytest.raises(SteeringNotApplied, match="not finite"):
+                engine.generate(KNOWN_PROMPT, specs=[specs[0]], max_tokens=6)
+        assert results[1].receipt["error"] is None
+        for name, rows in reference.activations.items():
+            assert torch.equal(results[1].activations[name], rows)
+        assert_engine_serves_the_known_request(engine, reference)
 
 
 def test_vectors_of_a_refused_call_do_not_stay_in_the_bank(tiny_engine, baseline):
