@@ -6,8 +6,8 @@ model call, ``run_record`` resolves the model's run-wide spec as it reads it the
 hook point, op, coefficient, positions and heads, and the vector's content hash and norm; the
 capture; every file's and SAE folder's sha256; the adapter; the engine settings), and at the end of
 the task a hook adds that record to the eval log's metadata under ``tlvllm`` (an Inspect log edit,
-author ``tl-vllm``).  Each call's own resolved spec is in its output's metadata
-(``metadata["tlvllm"]["applied"]``, hashed as ``spec_sha256``).
+author ``tl-vllm``; a local ``.eval`` log has only its header rewritten).  Each call's own resolved
+spec is in its output's metadata (``metadata["tlvllm"]["applied"]``, hashed as ``spec_sha256``).
 
 Inspect imports this module with the provider, never at start-up: torch loads only inside.
 """
@@ -98,7 +98,7 @@ class RunRecord(Hooks):
 def add_run_record(log: EvalLog) -> bool:
     """Add this process's record of the eval's model to the log file's metadata; True if added.
     Never fails the eval: a log it cannot rewrite keeps its per-call records and gets a warning."""
-    from inspect_ai.log import MetadataEdit, ProvenanceData, edit_eval_log, read_eval_log, write_eval_log
+    from inspect_ai.log import MetadataEdit, ProvenanceData, edit_eval_log, write_eval_log
 
     if not log.location or not log.eval.model.startswith(MODEL_PREFIX):
         return False
@@ -106,13 +106,30 @@ def add_run_record(log: EvalLog) -> bool:
     if record is None:
         return False
     try:
-        full = log if log.samples is not None else read_eval_log(log.location)  # an eval set's header-only log
+        header_only = _can_write_header_only(log.location)
+        written = _log_as_written(log, header_only)
         reason = "the resolved run-wide steering and capture (vector hashes and norms, file digests)"
         edited = edit_eval_log(
-            full, [MetadataEdit(metadata_set={TAG: record})], ProvenanceData(author=AUTHOR, reason=reason)
+            written, [MetadataEdit(metadata_set={TAG: record})], ProvenanceData(author=AUTHOR, reason=reason)
         )
-        write_eval_log(edited, log.location)
+        write_eval_log(edited, log.location, header_only=header_only)
     except Exception as err:  # noqa: BLE001 (the eval has finished; its log stays as Inspect wrote it)
         logger.warning(f"tl-vllm: could not add the run record to {log.location}: {err}")
         return False
     return True
+
+
+def _can_write_header_only(location: str) -> bool:
+    """Whether only the header of the log need be rewritten: a local ``.eval`` log, whose header
+    entry Inspect swaps in place, samples untouched.  Rewriting the whole log instead costs seconds
+    per thousand samples at every eval's end.  A remote log is rewritten whole: older Inspect
+    releases (0.3.221 among them) write a remote log's header alone, without its samples."""
+    return location.endswith(".eval") and ("://" not in location or location.startswith("file://"))
+
+
+def _log_as_written(log: EvalLog, header_only: bool) -> EvalLog:
+    from inspect_ai.log import read_eval_log
+
+    if header_only:
+        return read_eval_log(log.location, header_only=True)  # the header as written, without samples
+    return log if log.samples is not None else read_eval_log(log.location)  # an eval set's header-only log
