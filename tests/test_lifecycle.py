@@ -126,12 +126,12 @@ def _held_elsewhere(entries: set[Path]) -> set[Path]:
     """The entries that a live process holds: mapped or open, or a hand-off folder whose owner
     runs.  The session under test has ended, so these belong to other programs (another test
     run on the machine), not to it."""
-    from inspect_tl_vllm.engine.handoff import _OWNER  # the hand-off folder's name: pid namespace, pid
+    from inspect_tl_vllm.engine.handoff import folder_owner
 
     held = set()
     for entry in entries:
-        owner = _OWNER.match(entry.name)
-        if owner and _stat(int(owner[2])):
+        owner = folder_owner(entry.name)
+        if owner and _stat(owner[1]):
             held.add(entry)
     names = {str(entry): entry for entry in entries - held}
     for proc in Path("/proc").iterdir():

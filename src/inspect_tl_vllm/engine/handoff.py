@@ -103,12 +103,19 @@ def sweep_stale(base: Path) -> list[Path]:
     namespace = _pid_namespace()
     removed = []
     for entry in base.glob(f"{PREFIX}*"):
-        owner = _OWNER.match(entry.name)
-        if owner is None or int(owner[1]) != namespace or _alive(int(owner[2])):
+        owner = folder_owner(entry.name)
+        if owner is None or owner[0] != namespace or _alive(owner[1]):
             continue
         shutil.rmtree(entry, ignore_errors=True)
         removed.append(entry)
     return removed
+
+
+def folder_owner(name: str) -> tuple[int, int] | None:
+    """The pid namespace and pid of the front end that made the hand-off folder ``name``; None
+    for a name that is not a hand-off folder's."""
+    owner = _OWNER.match(name)
+    return None if owner is None else (int(owner[1]), int(owner[2]))
 
 
 def _pid_namespace() -> int:
