@@ -3,6 +3,11 @@ record in the log's metadata (vector hash and norm, file digests) and each call'
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from inspect_ai import Task, eval
@@ -66,3 +71,12 @@ def test_the_log_tells_two_runs_apart_after_the_vector_file_changed(vllm_ready, 
     vector_hash = records[0]["steering"][0]["vector_hash"]
     assert f"run: steering {HOOK} add coef 2 positions all vector {vector_file} ({vector_hash}" in out
     assert "run: capture " in out
+
+    # the bench that times this edit (whole log against header only) runs on a log like these
+    bench = Path(__file__).parents[1] / "bench" / "log_rewrite_cost.py"
+    done = subprocess.run(
+        [sys.executable, str(bench), logs[0][0].location, "--samples", "5"], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    timed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert timed["samples"] == 5 and timed["whole_log_s"] > 0 and timed["header_only_s"] > 0
