@@ -55,7 +55,7 @@ def test_the_log_tells_two_runs_apart_after_the_vector_file_changed(vllm_ready, 
         assert steering["vector_norm"] == pytest.approx(norm, rel=1e-6)
         assert record["capture"]["hooks"] == [HOOK] and record["model_path"] == str(tiny_llama_dir)
         assert log.log_updates[-1].provenance.author == "tl-vllm"
-        assert [sample.id for sample in log.samples] == ["a", "b"]  # only the header was rewritten
+        assert [sample.id for sample in log.samples] == ["a", "b"]  # the samples outlive the record's edit
         for sample in log.samples:
             meta = sample.output.metadata["tlvllm"]
             assert meta["applied"]["interventions"][0]["vector"] == steering["vector_hash"]
