@@ -2,7 +2,7 @@
 through Inspect's own ``vllm/`` provider, timed from the command line and from the logs.
 
     python bench/e2e.py --samples 256 --max-tokens 256 --out e2e.json [--variants vllm,tl,tl_steer_capture]
-        [--warm-up] [--ignore-eos]
+        [--warm-up] [--ignore-eos] [--rounds N]
 
 Each variant is one ``inspect eval`` subprocess on the same task (``e2e_questions`` below:
 ``--samples`` chat questions, greedy, ``--max-tokens`` at most), with the same engine
@@ -29,6 +29,9 @@ engine's start-up lines (weights, torch.compile and its cache, CUDA graphs) are 
 variant, each eval's whole output is saved next to ``--out``, and ``--warm-up`` first runs
 every variant once on one sample, untimed, so that each timed run starts with a warm cache.
 ``--out`` is rewritten after every variant, so a run cut short keeps the variants it finished.
+``--rounds N`` runs the variants N times, interleaved (one of each per round), and reports each
+measure as the median of the rounds with its min and max (``spread``), the ratios to ``vllm``
+dividing medians; every round's own row is kept under ``runs``.
 
 ``tl-vllm`` boots with ``-M boot=eager`` so that its generation phase excludes the engine
 start; ``tl_background`` is ``tl`` with ``-M boot=background`` (the engine starts while Inspect
@@ -49,6 +52,7 @@ import argparse
 import json
 import os
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -271,6 +275,31 @@ def measures(r: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
+MEDIAN_KEYS = ("wall_s", "to_first_call_s", "generation_s", "after_last_call_s", "output_tok_s_wall")
+
+
+def _variants(results: list[dict[str, Any]]) -> list[str]:
+    return list(dict.fromkeys(r["variant"] for r in results))
+
+
+def median_of_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's row over its rounds: each timed measure the median of the rounds that have it,
+    with its min and max under ``spread``; the rest (tokens, score, start-up lines) from the first
+    round.  A round that failed counts in ``rounds_failed`` and in none of the medians."""
+    done = [r for r in runs if r.get("status") == "success"]
+    row = {**(done or runs)[0], "rounds": len(runs), "rounds_failed": len(runs) - len(done)}
+    row.pop("round", None)
+    row["spread"] = {}
+    for key in MEDIAN_KEYS:
+        values = [r[key] for r in done if r.get(key) is not None]
+        if values:
+            row[key] = round(statistics.median(values), 2)
+            row["spread"][key] = [min(values), max(values)]
+    if done and row.get("output_tokens") and row.get("generation_s"):
+        row["output_tok_s_generation"] = round(row["output_tokens"] / row["generation_s"], 2)
+    return row
+
+
 def summarize(
     args: argparse.Namespace, results: list[dict[str, Any]], completions: dict[str, dict[Any, str]]
 ) -> dict[str, Any]:
@@ -286,6 +315,10 @@ def summarize(
     }
     tokens = [r.get("output_tokens") for r in results]
     equal = bool(results) and all(r.get("status") == "success" for r in results) and len(set(tokens)) == 1
+    if args.rounds > 1:
+        summary["rounds"] = args.rounds
+        summary["runs"] = results
+        results = [median_of_rounds([r for r in results if r["variant"] == name]) for name in _variants(results)]
     if args.ignore_eos:
         summary["expected_output_tokens"] = args.samples * args.max_tokens
         equal = equal and tokens[0] == summary["expected_output_tokens"]
@@ -328,8 +361,17 @@ def main() -> int:
         help='every variant generates exactly --max-tokens per sample (extra_body={"ignore_eos": true}), '
         "so that all do the same work",
     )
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="run the variants this many times, interleaved; each measure is then the median of the rounds, "
+        "with its min and max",
+    )
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
 
     from gpu_check import report  # bench/ is on sys.path when this file runs as a script
     from tables import e2e as e2e_table
@@ -345,11 +387,15 @@ def main() -> int:
             print(f"[e2e] warm-up {name}: exit {warm['returncode']} in {warm['wall_s']} s", flush=True)
     results: list[dict[str, Any]] = []
     completions: dict[str, dict[Any, str]] = {}
-    for name in names:
-        result, completions[name] = run_variant(name, args, model_path, Path(args.log_dir))
-        results.append(result)
-        if args.out:  # kept up to date, so that a run cut short by its timeout keeps what it finished
-            Path(args.out).write_text(json.dumps(summarize(args, results, completions), indent=2))
+    for round_number in range(1, args.rounds + 1):  # interleaved: each round runs every variant once
+        log_dir = Path(args.log_dir) / f"round-{round_number}" if args.rounds > 1 else Path(args.log_dir)
+        for name in names:
+            result, answers = run_variant(name, args, model_path, log_dir)
+            result["round"] = round_number
+            completions.setdefault(name, answers)  # the first round's answers are compared with vllm's
+            results.append(result)
+            if args.out:  # kept up to date, so that a run cut short by its timeout keeps what it finished
+                Path(args.out).write_text(json.dumps(summarize(args, results, completions), indent=2))
     summary = summarize(args, results, completions)
     report(summary, args.out)
     print("\n".join(e2e_table(summary)))

@@ -19,6 +19,8 @@
 #                                          # beside the log by the provider, equal work, caches warm (~5 min)
 #   bash bench/gpu_run.sh e2e-store-natural OUTDIR  # the same, each answer as long as the model makes it
 #                                          # (greedy, at most 256 tokens), so samples end at different steps
+#   bash bench/gpu_run.sh e2e-rounds OUTDIR  # vllm/ vs tl-vllm plain, every sample exactly 256 tokens, 3 interleaved
+#                                          # rounds: medians with their spread (~7 min)
 #   bash bench/gpu_run.sh e2e-equal OUTDIR  # vllm/ vs tl-vllm plain and steered + captured, every sample
 #                                          # exactly 256 tokens (ignore_eos), caches warm (~9 min; cut off at
 #                                          # 570 s, its JSON keeps the variants it finished)
@@ -80,7 +82,7 @@
 # and say so.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-step=${1:?usage: gpu_run.sh install|check|quick|quantized|quant-tests|fp8-1b|gptq-1b|lora-1b|v2-check|verify-V1|verify-V2|steer-1b|runners-1b|runners-8b|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-boot|e2e-store|e2e-store-natural|e2e-equal|smol|smol-plain|1b|1b-long|1b-pinned|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
+step=${1:?usage: gpu_run.sh install|check|quick|quantized|quant-tests|fp8-1b|gptq-1b|lora-1b|v2-check|verify-V1|verify-V2|steer-1b|runners-1b|runners-8b|8b|8b-scaled|8b-nodetok|late-writes|writers|diag|e2e|e2e-warm|e2e-connections|e2e-boot|e2e-store|e2e-store-natural|e2e-rounds|e2e-equal|smol|smol-plain|1b|1b-long|1b-pinned|2b|peers-1b|peers-8b|8b-store|sae-8b|sae-capture-8b OUTDIR}
 out=${2:?usage: gpu_run.sh STEP OUTDIR}
 mkdir -p "$out"
 [ -f /tmp/tlvllm/env.sh ] && . /tmp/tlvllm/env.sh
@@ -167,6 +169,10 @@ case "$step" in
   e2e-store-natural)
     timeout 570 python3 bench/e2e.py --samples 256 --max-tokens 256 --timeout 185 --warm-up \
       --variants tl,tl_capture_all --out "$out/e2e_store_natural.json" >"$log" 2>&1
+    ;;
+  e2e-rounds)
+    timeout 570 python3 bench/e2e.py --samples 256 --max-tokens 256 --timeout 185 --warm-up --ignore-eos \
+      --variants vllm,tl --rounds 3 --out "$out/e2e_rounds.json" >"$log" 2>&1
     ;;
   e2e-equal)
     timeout 570 python3 bench/e2e.py --samples 256 --max-tokens 256 --timeout 185 --warm-up --ignore-eos \

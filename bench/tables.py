@@ -256,6 +256,17 @@ def e2e(data: dict[str, Any]) -> list[str]:
         cells = ["—" if r.get(key) is None else str(r[key]) for key in keys]
         cells.append(f"{same['identical']} / {same['total']}" if same else "—")
         lines.append(f"| {r['variant']} | {' | '.join(cells)} |")
+    if data.get("rounds"):
+        lines += ["", f"Medians of {data['rounds']} interleaved rounds; min–max of each:", ""]
+        lines += ["| variant | wall s | to first call s | generation s | after last call s | failed rounds |"]
+        lines += ["|---|---|---|---|---|---|"]
+        for r in data["results"]:
+            spread = r.get("spread", {})
+            cells = [
+                "–".join(str(v) for v in spread[key]) if key in spread else "—"
+                for key in ("wall_s", "to_first_call_s", "generation_s", "after_last_call_s")
+            ]
+            lines.append(f"| {r['variant']} | {' | '.join(cells)} | {r.get('rounds_failed', 0)} |")
     for r in data["results"]:
         if "server_start_s" in r:
             stop = f", took {r['server_stop_s']} s to stop" if "server_stop_s" in r else ""

@@ -91,3 +91,44 @@ def test_cpu_pinning_gives_each_engine_whole_cores_and_pins_a_process_tree(monke
             proc.kill()
         parent.kill()
         parent.wait()
+
+
+def test_e2e_rounds_give_each_variant_its_medians_spread_and_failed_rounds():
+    """``bench/e2e.py --rounds N``: the ratios to ``vllm`` divide medians over the rounds, each
+    measure keeps its min and max, and a failed round is counted, not averaged in."""
+    import argparse
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    try:
+        import e2e
+        import tables
+    finally:
+        sys.path.remove(str(ROOT / "bench"))
+
+    def run(variant: str, round_number: int, wall: float, status: str = "success") -> dict:
+        return {
+            "variant": variant,
+            "round": round_number,
+            "status": status,
+            "wall_s": wall,
+            "to_first_call_s": wall - 10,
+            "generation_s": wall / 10,
+            "output_tokens": 1000,
+        }
+
+    walls = {"vllm": [60.0, 64.0, 62.0], "tl": [40.0, 44.0, 90.0]}
+    results = [run(v, i + 1, w) for v in walls for i, w in enumerate(walls[v])]
+    results[-1]["status"] = "error"  # tl's third round failed: its 90 s counts nowhere
+    args = argparse.Namespace(
+        model="m", samples=4, max_tokens=250, ignore_eos=False, warm_up=True, rounds=3, variants="vllm,tl"
+    )
+    summary = e2e.summarize(args, results, {"vllm": {1: "a"}, "tl": {1: "a"}})
+    vllm, tl = summary["results"]
+    assert (vllm["wall_s"], vllm["spread"]["wall_s"], vllm["rounds_failed"]) == (62.0, [60.0, 64.0], 0)
+    assert (tl["wall_s"], tl["spread"]["wall_s"], tl["rounds_failed"]) == (42.0, [40.0, 44.0], 1)
+    assert tl["wall_ratio_to_vllm"] == round(42.0 / 62.0, 3)
+    assert tl["output_tok_s_generation"] == round(1000 / 4.2, 2)
+    assert len(summary["runs"]) == 6 and tl["identical_completions_to_vllm"] == {"identical": 1, "total": 1}
+    rendered = "\n".join(tables.e2e(summary))
+    assert "Medians of 3 interleaved rounds" in rendered
+    assert "| tl | 40.0–44.0 | 30.0–34.0 | 4.0–4.4 | — | 1 |" in rendered
