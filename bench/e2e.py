@@ -275,7 +275,7 @@ def measures(r: dict[str, Any]) -> dict[str, float | None]:
     }
 
 
-MEDIAN_KEYS = ("wall_s", "to_first_call_s", "generation_s", "after_last_call_s", "output_tok_s_wall")
+MEDIAN_KEYS = ("wall_s", "to_first_call_s", "generation_s", "after_last_call_s")
 
 
 def _variants(results: list[dict[str, Any]]) -> list[str]:
@@ -295,8 +295,9 @@ def median_of_rounds(runs: list[dict[str, Any]]) -> dict[str, Any]:
         if values:
             row[key] = round(statistics.median(values), 2)
             row["spread"][key] = [min(values), max(values)]
-    if done and row.get("output_tokens") and row.get("generation_s"):
-        row["output_tok_s_generation"] = round(row["output_tokens"] / row["generation_s"], 2)
+    for rate, seconds in (("output_tok_s_wall", "wall_s"), ("output_tok_s_generation", "generation_s")):
+        if done and row.get("output_tokens") and row.get(seconds):  # over the median time
+            row[rate] = round(row["output_tokens"] / row[seconds], 2)
     return row
 
 
