@@ -26,6 +26,7 @@ from inspect_ai.log import EvalLog
 from inspect_tl_vllm._registry import MODEL_PREFIX, PROVIDER_NAME
 from inspect_tl_vllm.provider.model_args import ProviderSettings
 from inspect_tl_vllm.specs import TAG
+from inspect_tl_vllm.store.folders import is_url
 
 logger = logging.getLogger(__name__)
 AUTHOR = PROVIDER_NAME
@@ -124,7 +125,7 @@ def _can_write_header_only(location: str) -> bool:
     entry Inspect swaps in place, samples untouched.  Rewriting the whole log instead costs seconds
     per thousand samples at every eval's end.  A remote log is rewritten whole: older Inspect
     releases (0.3.221 among them) write a remote log's header alone, without its samples."""
-    return location.endswith(".eval") and ("://" not in location or location.startswith("file://"))
+    return location.endswith(".eval") and not is_url(location)
 
 
 def _log_as_written(log: EvalLog, header_only: bool) -> EvalLog:
