@@ -37,8 +37,7 @@ if [ $# -eq 0 ]; then
 fi
 if [ $# -eq 0 ]; then
   # Engine boots are mostly waiting and single-threaded imports: two test processes (pytest-xdist,
-  # a file at a time) keep two cores busy.  Tests marked `alone` run after it, by themselves (each
-  # says why where it is marked).
+  # a file at a time) keep two cores busy.  Tests marked `alone` watch machine-wide state and run after.
   workers=${TLVLLM_TEST_WORKERS:-$(( $(nproc) < 2 ? 1 : 2 ))}
   echo "test: pytest in $workers processes, then the tests marked alone"
   "$PY" -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile -m "not alone"

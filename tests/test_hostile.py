@@ -296,9 +296,8 @@ FUZZ_SECONDS = 150
 """Wall-clock bound of the fuzz loop: examples past it are skipped, so CI's time stays bounded."""
 
 
-# Run beside another test process once, the known request of one batch came back as tokens [0, 0]
-# and passed when replayed; not reproduced since, so this test runs by itself until that is explained.
-@pytest.mark.alone
+@pytest.mark.alone  # run in parallel with the rest of the suite, its known request once came back as
+# token 0 twice and did not again when replayed; not reproduced since, so it runs alone until explained
 def test_fuzzed_specs_never_break_the_engine(tiny_engine, baseline):
     from inspect_tl_vllm import SpecError
     from inspect_tl_vllm.engine.frontend import CaptureResult, SteeringNotApplied
