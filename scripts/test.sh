@@ -8,9 +8,8 @@
 # engine, provider and isolation tests again, and the checks of the vLLM internals the plugin uses
 # against that release's source.  Those two environments are built in the background while the
 # main suite runs (mostly downloads); their tests run after it, one suite at a time, since the
-# engine tests time processes and signals.  Extra arguments go to the main pytest only (one
-# process) and skip the other ends, e.g. `scripts/test.sh -k steering`; TLVLLM_TEST_WORKERS sets how
-# many test processes the full run uses (default 2, 1 on a one-core machine).
+# engine tests time processes and signals.  Extra arguments go to the main pytest only and skip
+# the other ends, e.g. `scripts/test.sh -k steering`.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 bash "$ROOT/scripts/setup.sh"
@@ -35,17 +34,8 @@ if [ $# -eq 0 ]; then
   build_other_ends >"$build_log" 2>&1 &
   builder=$!
 fi
-if [ $# -eq 0 ]; then
-  # Engine boots are mostly waiting and single-threaded imports: two test processes (pytest-xdist,
-  # a file at a time) keep two cores busy.  Tests marked `alone` watch machine-wide state and run after.
-  workers=${TLVLLM_TEST_WORKERS:-$(( $(nproc) < 2 ? 1 : 2 ))}
-  echo "test: pytest in $workers processes, then the tests marked alone"
-  "$PY" -m pytest -q -p no:cacheprovider -n "$workers" --dist loadfile -m "not alone"
-  "$PY" -m pytest -q -p no:cacheprovider -m alone
-else
-  echo "test: pytest $*"
-  "$PY" -m pytest -q -p no:cacheprovider "$@"
-fi
+echo "test: pytest $*"
+"$PY" -m pytest -q -p no:cacheprovider "$@"
 echo "test: newest end finished in $(( $(date +%s) - start )) s ($("$PY" -c 'import inspect_ai, transformers; print("inspect-ai", inspect_ai.__version__, "transformers", transformers.__version__)'))"
 if [ $# -eq 0 ]; then
   built=0

@@ -39,20 +39,6 @@ VLLM_VERSION = installed_vllm()
 """The vLLM release under test (scripts/test.sh runs the engine tests on each supported one)."""
 
 
-def bind_engines_to_this_workers_core() -> None:
-    """Under pytest-xdist, pin the OpenMP threads of every CPU engine this test process starts to
-    a core of its own (worker ``gwN`` takes the N-th allowed core).  vLLM's default, ``auto``,
-    binds every single-rank engine to the same first core, so engines of two test processes would
-    take turns on it while the other core idles.  Multi-rank tests name their own binding."""
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if worker.startswith("gw") and worker[2:].isdigit():
-        cores = sorted(os.sched_getaffinity(0))
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(cores[int(worker[2:]) % len(cores)]))
-
-
-bind_engines_to_this_workers_core()
-
-
 def eval_spec(eval_id: str, model_args: dict | None = None):
     """The header of a small tl-vllm eval log, for tests that build logs without running an eval."""
     from inspect_ai.log import EvalConfig, EvalDataset, EvalSpec

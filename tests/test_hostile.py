@@ -296,8 +296,6 @@ FUZZ_SECONDS = 150
 """Wall-clock bound of the fuzz loop: examples past it are skipped, so CI's time stays bounded."""
 
 
-@pytest.mark.alone  # run in parallel with the rest of the suite, its known request once came back as
-# token 0 twice and did not again when replayed; not reproduced since, so it runs alone until explained
 def test_fuzzed_specs_never_break_the_engine(tiny_engine, baseline):
     from inspect_tl_vllm import SpecError
     from inspect_tl_vllm.engine.frontend import CaptureResult, SteeringNotApplied

@@ -168,7 +168,6 @@ def _session(sid: int) -> list[Process]:
 
 
 @pytest.mark.engine
-@pytest.mark.alone  # judges every new entry of /dev/shm: another test process's engines add their own
 @pytest.mark.parametrize("phase", ["boot", "generation"])
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
 def test_an_interrupted_eval_leaves_no_engine_process_or_shared_memory(
